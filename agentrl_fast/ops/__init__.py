@@ -1,0 +1,6 @@
+"""The ops of agentrl_fast. Each lives in ``agentrl_fast/ops/<op>.py``; float64 references for
+all of them are in ``agentrl_fast.ops.reference``."""
+
+from agentrl_fast.ops.gae import gae, gae_padded, whiten
+
+__all__ = ["gae", "gae_padded", "whiten"]

@@ -1,0 +1,85 @@
+"""Float64 references for every op, used by the tests and the benchmarks alike.
+
+They are written for clarity, straight from DESIGN.md, with Python loops where the definition
+is a loop; none of them shares code with the kernels they check.
+"""
+
+import torch
+
+
+def gae_reference(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    action_mask: torch.Tensor | None = None,
+    bootstrap_values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over a packed batch, float64 ``(advantages[T], returns[T])`` on the CPU.
+
+    Within each sequence only action tokens are steps: for action token ``t`` with next action
+    token ``n``, ``delta = r_t + gamma * V_n - V_t`` and ``A_t = delta + gamma * lam * A_n``;
+    the last action token uses the sequence's bootstrap value and ``A = 0``. Returns are
+    ``A + V`` on action tokens; both are 0 elsewhere.
+    """
+    r = rewards.detach().to("cpu", torch.float64).tolist()
+    v = values.detach().to("cpu", torch.float64).tolist()
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    num_tokens = len(r)
+    mask = [True] * num_tokens if action_mask is None else action_mask.detach().cpu().tolist()
+    boot = [0.0] * (len(cu) - 1) if bootstrap_values is None else (
+        bootstrap_values.detach().to("cpu", torch.float64).tolist())
+    advantages = [0.0] * num_tokens
+    returns = [0.0] * num_tokens
+    for b in range(len(cu) - 1):
+        next_value, next_advantage = boot[b], 0.0
+        for t in range(cu[b + 1] - 1, cu[b] - 1, -1):
+            if not mask[t]:
+                continue
+            delta = r[t] + gamma * next_value - v[t]
+            advantages[t] = delta + gamma * lam * next_advantage
+            returns[t] = advantages[t] + v[t]
+            next_value, next_advantage = v[t], advantages[t]
+    return (torch.tensor(advantages, dtype=torch.float64),
+            torch.tensor(returns, dtype=torch.float64))
+
+
+def gae_padded_reference(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``compute_gae_advantage_return`` recurrence over padded ``[B, L]`` rows, in
+    float64, before whitening: ``(returns - values, returns)`` at every position (on masked
+    positions these hold verl's carried-over values)."""
+    r = rewards.detach().to("cpu", torch.float64)
+    v = values.detach().to("cpu", torch.float64)
+    m = mask.detach().to("cpu", torch.float64)
+    next_value = torch.zeros(r.shape[0], dtype=torch.float64)
+    running = torch.zeros(r.shape[0], dtype=torch.float64)
+    advantages = torch.zeros_like(r)
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        candidate = delta + gamma * lam * running
+        next_value = v[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+        running = candidate * m[:, t] + (1 - m[:, t]) * running
+        advantages[:, t] = running
+    returns = advantages + v
+    return advantages, returns
+
+
+def whiten_reference(advantages: torch.Tensor, action_mask: torch.Tensor, shift_mean: bool = True,
+                     eps: float = 1e-8) -> torch.Tensor:
+    """Float64 whitening over the action tokens (unbiased variance), 0 elsewhere."""
+    x = advantages.detach().to("cpu", torch.float64)
+    m = action_mask.detach().cpu()
+    selected = x[m]
+    out = torch.zeros_like(x)
+    if selected.numel() == 0:
+        return out
+    mean = selected.mean()
+    variance = selected.var(unbiased=True) if selected.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
+    whitened = (selected - mean) / torch.sqrt(variance + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    out[m] = whitened
+    return out

@@ -1,0 +1,346 @@
+// GAE over packed trajectories: argument checks (the one place they live), value validation and
+// the CPU kernel. Semantics: DESIGN.md, "GAE over packed trajectories".
+#include "gae.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include "gae_common.h"
+
+namespace agentrl_fast {
+namespace {
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// The dtype rewards and values are read in: theirs when they agree, else the promoted type
+// (at least float32, so that bf16 + fp16 does not lose range).
+at::ScalarType compute_dtype(at::ScalarType rewards, at::ScalarType values) {
+  if (rewards == values) return rewards;
+  at::ScalarType promoted = at::promoteTypes(rewards, values);
+  if (promoted == at::kHalf || promoted == at::kBFloat16) promoted = at::kFloat;
+  return promoted;
+}
+
+void check_per_token(const at::Tensor& t, const char* name, int64_t num_tokens,
+                     const at::Device& device) {
+  TORCH_CHECK_VALUE(t.dim() == 1, name, " must be 1-D [T] (packed tokens), got shape ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.size(0) == num_tokens, name, " must have T = rewards.shape[0] = ",
+                    num_tokens, " elements, got ", t.size(0));
+  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, " like rewards, got ",
+                    t.device());
+}
+
+struct CheckedArgs {
+  at::Tensor rewards, values, cu_seqlens, action_mask, bootstrap_values;
+  at::ScalarType output_dtype;
+};
+
+CheckedArgs check_gae_args(const at::Tensor& rewards, const at::Tensor& values,
+                           const at::Tensor& cu_seqlens,
+                           const std::optional<at::Tensor>& action_mask,
+                           const std::optional<at::Tensor>& bootstrap_values, double gamma,
+                           double lam) {
+  TORCH_CHECK_TYPE(is_supported_float(rewards.scalar_type()),
+                   "rewards must be float32, float64, float16 or bfloat16, got ",
+                   rewards.scalar_type());
+  TORCH_CHECK_TYPE(is_supported_float(values.scalar_type()),
+                   "values must be float32, float64, float16 or bfloat16, got ",
+                   values.scalar_type());
+  TORCH_CHECK_VALUE(rewards.dim() == 1, "rewards must be 1-D [T] (packed tokens), got shape ",
+                    rewards.sizes());
+  const int64_t num_tokens = rewards.size(0);
+  const at::Device device = rewards.device();
+  TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), "rewards must be on the CPU or a CUDA ",
+                    "device, got ", device);
+  check_per_token(values, "values", num_tokens, device);
+
+  TORCH_CHECK_TYPE(cu_seqlens.scalar_type() == at::kInt, "cu_seqlens must be int32, got ",
+                   cu_seqlens.scalar_type(), "; pass cu_seqlens.to(torch.int32)");
+  TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1,
+                    "cu_seqlens must be 1-D [B+1] with at least one element (cu_seqlens[0] = 0), ",
+                    "got shape ", cu_seqlens.sizes());
+  TORCH_CHECK_VALUE(cu_seqlens.device() == device, "cu_seqlens must be on ", device,
+                    " like rewards, got ", cu_seqlens.device());
+  TORCH_CHECK_VALUE(num_tokens < (int64_t(1) << 31),
+                    "rewards has ", num_tokens, " tokens; int32 cu_seqlens allow at most 2^31 - 1");
+  const int64_t num_sequences = cu_seqlens.size(0) - 1;
+
+  // NaN fails both comparisons, so it is rejected too.
+  TORCH_CHECK_VALUE(gamma >= 0.0 && gamma <= 1.0, "gamma must be in [0, 1], got ", gamma);
+  TORCH_CHECK_VALUE(lam >= 0.0 && lam <= 1.0, "lam must be in [0, 1], got ", lam);
+
+  CheckedArgs out;
+  const at::ScalarType dtype = compute_dtype(rewards.scalar_type(), values.scalar_type());
+  out.rewards = rewards.to(dtype).contiguous();
+  out.values = values.to(dtype).contiguous();
+  out.cu_seqlens = cu_seqlens.contiguous();
+  out.output_dtype = gae_output_dtype(dtype);
+
+  if (action_mask.has_value() && action_mask->defined()) {
+    TORCH_CHECK_TYPE(action_mask->scalar_type() == at::kBool, "action_mask must be bool, got ",
+                     action_mask->scalar_type(), "; pass action_mask.bool()");
+    check_per_token(*action_mask, "action_mask", num_tokens, device);
+    out.action_mask = action_mask->contiguous();
+  }
+  if (bootstrap_values.has_value() && bootstrap_values->defined()) {
+    const at::Tensor& boot = *bootstrap_values;
+    TORCH_CHECK_TYPE(is_supported_float(boot.scalar_type()),
+                     "bootstrap_values must be float32, float64, float16 or bfloat16, got ",
+                     boot.scalar_type());
+    TORCH_CHECK_VALUE(boot.dim() == 1 && boot.size(0) == num_sequences,
+                      "bootstrap_values must be 1-D [B] with B = len(cu_seqlens) - 1 = ",
+                      num_sequences, ", got shape ", boot.sizes());
+    TORCH_CHECK_VALUE(boot.device() == device, "bootstrap_values must be on ", device,
+                      " like rewards, got ", boot.device());
+    // The CPU kernel accumulates in float64; the CUDA kernel in its output dtype.
+    const at::ScalarType boot_dtype = device.is_cpu() ? at::kDouble : out.output_dtype;
+    out.bootstrap_values = boot.to(boot_dtype).contiguous();
+  }
+  return out;
+}
+
+// Index of the first true element of a bool tensor, or -1; stays on the device.
+at::Tensor first_true(const at::Tensor& flags) {
+  if (flags.numel() == 0) return at::full({}, -1, flags.options().dtype(at::kLong));
+  return at::where(flags.any(), flags.to(at::kByte).argmax(), at::full({}, -1, flags.options().dtype(at::kLong)));
+}
+
+// Value checks. On CUDA they cost one host sync (a single copy of a few integers).
+void validate_gae_values(const CheckedArgs& args, const at::Tensor& raw_bootstrap) {
+  const at::Tensor& cu = args.cu_seqlens;
+  const int64_t num_tokens = args.rewards.size(0);
+  const at::Tensor cu64 = cu.to(at::kLong);
+  std::vector<at::Tensor> probes;
+  probes.push_back(cu64[0]);
+  probes.push_back(cu64[-1]);
+  probes.push_back(first_true(cu64.slice(0, 1).lt(cu64.slice(0, 0, -1))));
+  probes.push_back(first_true(args.rewards.isfinite().logical_not()));
+  probes.push_back(first_true(args.values.isfinite().logical_not()));
+  if (raw_bootstrap.defined()) {
+    probes.push_back(first_true(raw_bootstrap.isfinite().logical_not()));
+  } else {
+    probes.push_back(at::full({}, -1, cu64.options()));
+  }
+  if (args.action_mask.defined()) {
+    probes.push_back(first_true(args.rewards.ne(0).logical_and(args.action_mask.logical_not())));
+  } else {
+    probes.push_back(at::full({}, -1, cu64.options()));
+  }
+  const at::Tensor host = at::stack(probes).cpu();
+  const int64_t* p = host.data_ptr<int64_t>();
+
+  TORCH_CHECK_VALUE(p[0] == 0, "cu_seqlens[0] must be 0, got ", p[0]);
+  if (p[2] >= 0) {
+    const at::Tensor pair = cu64.slice(0, p[2], p[2] + 2).cpu();
+    TORCH_CHECK_VALUE(false, "cu_seqlens must be non-decreasing, but cu_seqlens[", p[2],
+                      "] = ", pair[0].item<int64_t>(), " > cu_seqlens[", p[2] + 1, "] = ",
+                      pair[1].item<int64_t>());
+  }
+  TORCH_CHECK_VALUE(p[1] == num_tokens, "cu_seqlens[-1] must equal the number of tokens T = ",
+                    "rewards.shape[0] = ", num_tokens, ", got ", p[1]);
+  TORCH_CHECK_VALUE(p[3] < 0, "rewards must be finite, found ",
+                    args.rewards[p[3] < 0 ? 0 : p[3]].item<double>(), " at token ", p[3]);
+  TORCH_CHECK_VALUE(p[4] < 0, "values must be finite, found ",
+                    args.values[p[4] < 0 ? 0 : p[4]].item<double>(), " at token ", p[4]);
+  TORCH_CHECK_VALUE(p[5] < 0, "bootstrap_values must be finite, found ",
+                    raw_bootstrap.defined() ? raw_bootstrap[p[5] < 0 ? 0 : p[5]].item<double>() : 0.0,
+                    " at sequence ", p[5]);
+  TORCH_CHECK_VALUE(p[6] < 0, "rewards on non-action tokens: rewards[", p[6], "] = ",
+                    args.rewards[p[6] < 0 ? 0 : p[6]].item<double>(),
+                    " but action_mask[", p[6], "] is False; put each reward on an action token ",
+                    "(e.g. the last token the policy sampled in that turn)");
+}
+
+void check_output(const at::Tensor& out, const char* name, int64_t num_tokens,
+                  at::ScalarType dtype, const at::Device& device) {
+  TORCH_CHECK_TYPE(out.scalar_type() == dtype, name, " must be ", dtype,
+                   " (float64 only for float64 inputs), got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.dim() == 1 && out.size(0) == num_tokens, name, " must be 1-D [T] with T = ",
+                    num_tokens, ", got shape ", out.sizes());
+  TORCH_CHECK_VALUE(out.device() == device, name, " must be on ", device, ", got ", out.device());
+  TORCH_CHECK_VALUE(out.is_contiguous(), name, " must be contiguous");
+}
+
+void run_kernel(const CheckedArgs& args, double gamma, double lam, at::Tensor& advantages,
+                at::Tensor& returns) {
+  if (args.rewards.size(0) == 0) return;
+  if (args.rewards.is_cuda()) {
+#ifdef AGENTRL_FAST_WITH_CUDA
+    gae_cuda_kernel(args.rewards, args.values, args.cu_seqlens, args.action_mask,
+                    args.bootstrap_values, gamma, lam, advantages, returns);
+    return;
+#else
+    TORCH_CHECK(false, "agentrl_fast was built without CUDA; rebuild with AGENTRL_FAST_CUDA=1");
+#endif
+  }
+  gae_cpu_kernel(args.rewards, args.values, args.cu_seqlens, args.action_mask,
+                 args.bootstrap_values, gamma, lam, advantages, returns);
+}
+
+}  // namespace
+
+at::ScalarType gae_output_dtype(at::ScalarType input_dtype) {
+  return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void gae_out(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& cu_seqlens,
+             const std::optional<at::Tensor>& action_mask,
+             const std::optional<at::Tensor>& bootstrap_values, double gamma, double lam,
+             bool validate, at::Tensor& advantages, at::Tensor& returns) {
+  CheckedArgs args =
+      check_gae_args(rewards, values, cu_seqlens, action_mask, bootstrap_values, gamma, lam);
+  check_output(advantages, "advantages", rewards.size(0), args.output_dtype, rewards.device());
+  check_output(returns, "returns", rewards.size(0), args.output_dtype, rewards.device());
+  TORCH_CHECK_VALUE(rewards.size(0) == 0 || !advantages.is_same(returns),
+                    "advantages and returns must be different tensors");
+  if (validate) {
+    validate_gae_values(args, bootstrap_values.has_value() ? *bootstrap_values : at::Tensor());
+  }
+  run_kernel(args, gamma, lam, advantages, returns);
+}
+
+std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
+                                       const at::Tensor& cu_seqlens,
+                                       const std::optional<at::Tensor>& action_mask,
+                                       const std::optional<at::Tensor>& bootstrap_values,
+                                       double gamma, double lam, bool validate) {
+  CheckedArgs args =
+      check_gae_args(rewards, values, cu_seqlens, action_mask, bootstrap_values, gamma, lam);
+  if (validate) {
+    validate_gae_values(args, bootstrap_values.has_value() ? *bootstrap_values : at::Tensor());
+  }
+  at::Tensor advantages = at::empty({rewards.size(0)}, rewards.options().dtype(args.output_dtype));
+  at::Tensor returns = at::empty_like(advantages);
+  run_kernel(args, gamma, lam, advantages, returns);
+  return {advantages, returns};
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU kernel. Sequences are cut into chunks of at most kCpuChunk tokens; chunks are the unit of
+// parallel work (dynamic scheduling on torch's intra-op pool). A sequence longer than one chunk
+// is a parallel scan: (A) each chunk but the first composes its tokens' affine maps, (B) a short
+// sequential pass turns those into the carry entering each chunk, (C) every chunk runs the
+// recurrence from its carry. Short sequences go straight to (C).
+namespace {
+
+constexpr int64_t kCpuChunk = 1 << 15;
+
+struct Chunk {
+  int64_t begin, end;  // token range
+  int64_t sequence;
+  bool first_of_sequence, last_of_sequence;
+};
+
+template <typename scalar_t, typename out_t>
+void gae_cpu_typed(const scalar_t* rewards, const scalar_t* values, const bool* mask,
+                   const double* boot, const int32_t* cu, int64_t num_sequences,
+                   int64_t num_tokens, double gamma, double lam, out_t* adv, out_t* ret) {
+  const double gamma_lam = gamma * lam;
+  std::vector<Chunk> chunks;
+  chunks.reserve(num_sequences);
+  int64_t previous_end = 0;
+  for (int64_t b = 0; b < num_sequences; ++b) {
+    // Clamped so that unvalidated cu_seqlens can give wrong numbers but never a bad access.
+    const int64_t begin = clamp_index<int64_t>(cu[b], previous_end, num_tokens);
+    const int64_t end = clamp_index<int64_t>(cu[b + 1], begin, num_tokens);
+    previous_end = end;
+    for (int64_t c = begin; c < end; c += kCpuChunk) {
+      const int64_t c_end = std::min(end, c + kCpuChunk);
+      chunks.push_back({c, c_end, b, c == begin, c_end == end});
+    }
+  }
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  std::vector<GaeMap<double>> aggregate(num_chunks);
+  std::vector<double> carry_v(num_chunks), carry_a(num_chunks);
+
+  auto is_action = [&](int64_t t) { return mask == nullptr || mask[t]; };
+  auto for_each_chunk = [&](auto&& work) {
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t grain = std::max<int64_t>(1, num_chunks / (threads * 8));
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (;;) {
+        const int64_t first = next.fetch_add(grain);
+        if (first >= num_chunks) break;
+        const int64_t last = std::min(num_chunks, first + grain);
+        for (int64_t i = first; i < last; ++i) work(i);
+      }
+    });
+  };
+
+  // (A) aggregates of chunks that have a chunk to their left in the same sequence.
+  bool any_split = false;
+  for (const Chunk& c : chunks) any_split |= !c.first_of_sequence;
+  if (any_split) {
+    for_each_chunk([&](int64_t i) {
+      const Chunk& c = chunks[i];
+      if (c.first_of_sequence) return;
+      GaeMap<double> m = gae_identity_map<double>();
+      for (int64_t t = c.end - 1; t >= c.begin; --t) {
+        m = gae_compose(gae_token_map<double>(rewards[t], values[t], is_action(t), gamma,
+                                              gamma_lam),
+                        m);
+      }
+      aggregate[i] = m;
+    });
+  }
+  // (B) carries, right to left within each sequence.
+  for (int64_t i = num_chunks - 1; i >= 0; --i) {
+    if (chunks[i].last_of_sequence) {
+      carry_v[i] = boot == nullptr ? 0.0 : boot[chunks[i].sequence];
+      carry_a[i] = 0.0;
+    } else {
+      double vn = carry_v[i + 1], an = carry_a[i + 1];
+      gae_apply(aggregate[i + 1], vn, an);
+      carry_v[i] = vn;
+      carry_a[i] = an;
+    }
+  }
+  // (C) the recurrence.
+  for_each_chunk([&](int64_t i) {
+    const Chunk& c = chunks[i];
+    double vn = carry_v[i], an = carry_a[i];
+    for (int64_t t = c.end - 1; t >= c.begin; --t) {
+      const bool action = is_action(t);
+      const double value = static_cast<double>(values[t]);
+      const double a = gae_step<double>(static_cast<double>(rewards[t]), value, action, gamma,
+                                        gamma_lam, vn, an);
+      adv[t] = static_cast<out_t>(a);
+      ret[t] = static_cast<out_t>(action ? a + value : 0.0);
+    }
+  });
+}
+
+}  // namespace
+
+void gae_cpu_kernel(const at::Tensor& rewards, const at::Tensor& values,
+                    const at::Tensor& cu_seqlens, const at::Tensor& action_mask,
+                    const at::Tensor& bootstrap_values, double gamma, double lam,
+                    at::Tensor& advantages, at::Tensor& returns) {
+  const bool* mask = action_mask.defined() ? action_mask.data_ptr<bool>() : nullptr;
+  const double* boot = bootstrap_values.defined() ? bootstrap_values.data_ptr<double>() : nullptr;
+  const int64_t num_sequences = cu_seqlens.size(0) - 1;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rewards.scalar_type(), "gae_cpu", [&] {
+    if (advantages.scalar_type() == at::kDouble) {
+      gae_cpu_typed<scalar_t, double>(rewards.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
+                                      mask, boot, cu_seqlens.data_ptr<int32_t>(), num_sequences,
+                                      rewards.size(0), gamma, lam,
+                                      advantages.data_ptr<double>(), returns.data_ptr<double>());
+    } else {
+      gae_cpu_typed<scalar_t, float>(rewards.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
+                                     mask, boot, cu_seqlens.data_ptr<int32_t>(), num_sequences,
+                                     rewards.size(0), gamma, lam, advantages.data_ptr<float>(),
+                                     returns.data_ptr<float>());
+    }
+  });
+}
+
+}  // namespace agentrl_fast

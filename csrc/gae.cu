@@ -1,0 +1,260 @@
+// GAE over packed trajectories on CUDA: one single-pass scan over all T tokens.
+//
+// The recurrence is a scan of 5-number affine maps (gae_common.h). A sequence's bootstrap is a
+// constant map right of its last token, so the scan over the whole packed batch needs no
+// segment logic: it runs over fixed tiles of kTile tokens whatever the length mix (4096 short
+// sequences, a long tail, one sequence of 10^6 tokens all run at the same speed). Tiles are
+// handed out right to left by an atomic ticket; each tile publishes its aggregate, then looks
+// back over the tiles to its right (decoupled look-back, as in CUB's single-pass scan) for the
+// carry entering it. A tile that contains a sequence end is self-contained and publishes its
+// inclusive value at once, so with many short sequences look-back is one hop at most. Inputs
+// are read once and outputs written once: the kernel moves the minimum number of bytes.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+
+#include "gae.h"
+#include "gae_common.h"
+
+namespace agentrl_fast {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kItems = 8;
+constexpr int kTile = kThreads * kItems;
+constexpr int kWarps = kThreads / 32;
+
+enum TileFlag : int { kNotReady = 0, kAggregateReady = 1, kInclusiveReady = 2 };
+
+template <typename acc_t>
+__device__ __forceinline__ GaeMap<acc_t> shuffle_down(const GaeMap<acc_t>& m, int offset) {
+  GaeMap<acc_t> out;
+  out.s = __shfl_down_sync(0xffffffffu, m.s, offset);
+  out.V = __shfl_down_sync(0xffffffffu, m.V, offset);
+  out.C = __shfl_down_sync(0xffffffffu, m.C, offset);
+  out.P = __shfl_down_sync(0xffffffffu, m.P, offset);
+  out.Q = __shfl_down_sync(0xffffffffu, m.Q, offset);
+  return out;
+}
+
+template <typename acc_t>
+__device__ __forceinline__ void store_volatile(GaeMap<acc_t>* dst, const GaeMap<acc_t>& m) {
+  volatile acc_t* p = reinterpret_cast<volatile acc_t*>(dst);
+  p[0] = m.s;
+  p[1] = m.V;
+  p[2] = m.C;
+  p[3] = m.P;
+  p[4] = m.Q;
+}
+
+template <typename acc_t>
+__device__ __forceinline__ GaeMap<acc_t> load_volatile(const GaeMap<acc_t>* src) {
+  const volatile acc_t* p = reinterpret_cast<const volatile acc_t*>(src);
+  return {p[0], p[1], p[2], p[3], p[4]};
+}
+
+// Index b of the sequence holding token t (cu[b] <= t < cu[b+1]) or, for a token outside every
+// sequence (only with unvalidated cu_seqlens), -1 or num_sequences.
+__device__ __forceinline__ int64_t find_sequence(const int32_t* __restrict__ cu,
+                                                 int64_t num_sequences, int64_t t) {
+  // upper_bound over cu[0..num_sequences], then step back one.
+  int64_t lo = 0, hi = num_sequences + 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (static_cast<int64_t>(__ldg(cu + mid)) <= t) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo - 1;
+}
+
+template <typename scalar_t, typename acc_t, typename out_t>
+__global__ void __launch_bounds__(kThreads)
+    gae_scan_kernel(const scalar_t* __restrict__ rewards, const scalar_t* __restrict__ values,
+                    const bool* __restrict__ action_mask, const acc_t* __restrict__ bootstrap,
+                    const int32_t* __restrict__ cu, int64_t num_sequences, int64_t num_tokens,
+                    acc_t gamma, acc_t gamma_lam, out_t* __restrict__ advantages,
+                    out_t* __restrict__ returns, GaeMap<acc_t>* tile_aggregate,
+                    GaeMap<acc_t>* tile_inclusive, int* tile_flag, unsigned int* tile_ticket,
+                    int64_t num_tiles) {
+  __shared__ acc_t s_reward[kTile];
+  __shared__ acc_t s_value[kTile];
+  __shared__ unsigned char s_action[kTile];
+  __shared__ GaeMap<acc_t> s_warp[kWarps];
+  __shared__ GaeMap<acc_t> s_right_of_warp[kWarps];
+  __shared__ int64_t s_tile;
+  __shared__ acc_t s_carry_v, s_carry_a;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+
+  if (tid == 0) s_tile = num_tiles - 1 - static_cast<int64_t>(atomicAdd(tile_ticket, 1u));
+  __syncthreads();
+  const int64_t tile = s_tile;
+  const int64_t base = tile * kTile;
+
+  // Coalesced loads into shared memory.
+  for (int i = tid; i < kTile; i += kThreads) {
+    const int64_t t = base + i;
+    if (t < num_tokens) {
+      s_reward[i] = static_cast<acc_t>(rewards[t]);
+      s_value[i] = static_cast<acc_t>(values[t]);
+      s_action[i] = action_mask == nullptr ? 1 : static_cast<unsigned char>(action_mask[t]);
+    } else {
+      s_action[i] = 0;
+    }
+  }
+  __syncthreads();
+
+  // This thread's kItems consecutive tokens: their maps composed right to left. A token that
+  // ends its sequence gets the bootstrap map composed right of it.
+  const int first = tid * kItems;
+  const int64_t t0 = base + first;
+  unsigned int end_bits = 0;
+  acc_t item_bootstrap[kItems];
+  GaeMap<acc_t> thread_map = gae_identity_map<acc_t>();
+  {
+    int64_t b = t0 < num_tokens ? find_sequence(cu, num_sequences, t0) : num_sequences;
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      const int64_t t = t0 + k;
+      item_bootstrap[k] = acc_t(0);
+      if (t >= num_tokens) continue;
+      while (b < num_sequences && t >= static_cast<int64_t>(__ldg(cu + b + 1))) ++b;
+      if (b >= 0 && b < num_sequences && t + 1 == static_cast<int64_t>(__ldg(cu + b + 1))) {
+        end_bits |= 1u << k;
+        item_bootstrap[k] = bootstrap == nullptr ? acc_t(0) : bootstrap[b];
+      }
+      if (b < 0 || b >= num_sequences) s_action[first + k] = 0;  // outside every sequence
+    }
+#pragma unroll
+    for (int k = kItems - 1; k >= 0; --k) {
+      const int i = first + k;
+      GaeMap<acc_t> m = gae_token_map<acc_t>(s_reward[i], s_value[i], s_action[i] != 0, gamma,
+                                             gamma_lam);
+      if (end_bits & (1u << k)) m = gae_compose(m, gae_bootstrap_map<acc_t>(item_bootstrap[k]));
+      thread_map = gae_compose(m, thread_map);
+    }
+  }
+
+  // Block-wide suffix scan of the thread maps.
+  GaeMap<acc_t> inclusive = thread_map;  // thread_map(lane) ∘ ... ∘ thread_map(31)
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const GaeMap<acc_t> right = shuffle_down(inclusive, offset);
+    if (lane + offset < 32) inclusive = gae_compose(inclusive, right);
+  }
+  GaeMap<acc_t> exclusive = shuffle_down(inclusive, 1);
+  if (lane == 31) exclusive = gae_identity_map<acc_t>();
+  if (lane == 0) s_warp[warp] = inclusive;
+  __syncthreads();
+  if (tid == 0) {
+    GaeMap<acc_t> right = gae_identity_map<acc_t>();
+    for (int w = kWarps - 1; w >= 0; --w) {
+      s_right_of_warp[w] = right;
+      right = gae_compose(s_warp[w], right);
+    }
+    // `right` is now the tile's aggregate. Publish it, then find the carry from the right.
+    const GaeMap<acc_t> aggregate = right;
+    GaeMap<acc_t> from_right = gae_identity_map<acc_t>();
+    if (tile == num_tiles - 1 || gae_map_is_constant(aggregate)) {
+      store_volatile(tile_inclusive + tile, aggregate);
+      __threadfence();
+      atomicExch(tile_flag + tile, kInclusiveReady);
+    } else {
+      store_volatile(tile_aggregate + tile, aggregate);
+      __threadfence();
+      atomicExch(tile_flag + tile, kAggregateReady);
+      for (int64_t j = tile + 1; j < num_tiles; ++j) {
+        int flag;
+        while ((flag = *reinterpret_cast<volatile int*>(tile_flag + j)) == kNotReady) {
+#if __CUDA_ARCH__ >= 700
+          __nanosleep(20);
+#endif
+        }
+        __threadfence();
+        if (flag == kInclusiveReady) {
+          from_right = gae_compose(from_right, load_volatile(tile_inclusive + j));
+          break;
+        }
+        from_right = gae_compose(from_right, load_volatile(tile_aggregate + j));
+        if (gae_map_is_constant(from_right)) break;
+      }
+      store_volatile(tile_inclusive + tile, gae_compose(aggregate, from_right));
+      __threadfence();
+      atomicExch(tile_flag + tile, kInclusiveReady);
+    }
+    acc_t vn = acc_t(0), an = acc_t(0);
+    gae_apply(from_right, vn, an);
+    s_carry_v = vn;
+    s_carry_a = an;
+  }
+  __syncthreads();
+
+  // The carry entering this thread's tokens, then the recurrence over them. Results go back to
+  // shared memory (each thread touches only its own tokens) for coalesced stores.
+  acc_t vn = s_carry_v, an = s_carry_a;
+  gae_apply(gae_compose(exclusive, s_right_of_warp[warp]), vn, an);
+#pragma unroll
+  for (int k = kItems - 1; k >= 0; --k) {
+    const int i = first + k;
+    if (end_bits & (1u << k)) {
+      vn = item_bootstrap[k];
+      an = acc_t(0);
+    }
+    const bool action = s_action[i] != 0;
+    const acc_t value = s_value[i];
+    const acc_t a = gae_step<acc_t>(s_reward[i], value, action, gamma, gamma_lam, vn, an);
+    s_reward[i] = a;
+    s_value[i] = action ? a + value : acc_t(0);
+  }
+  __syncthreads();
+  for (int i = tid; i < kTile; i += kThreads) {
+    const int64_t t = base + i;
+    if (t < num_tokens) {
+      advantages[t] = static_cast<out_t>(s_reward[i]);
+      returns[t] = static_cast<out_t>(s_value[i]);
+    }
+  }
+}
+
+}  // namespace
+
+void gae_cuda_kernel(const at::Tensor& rewards, const at::Tensor& values,
+                     const at::Tensor& cu_seqlens, const at::Tensor& action_mask,
+                     const at::Tensor& bootstrap_values, double gamma, double lam,
+                     at::Tensor& advantages, at::Tensor& returns) {
+  const c10::cuda::CUDAGuard guard(rewards.device());
+  const int64_t num_tokens = rewards.size(0);
+  const int64_t num_sequences = cu_seqlens.size(0) - 1;
+  const int64_t num_tiles = (num_tokens + kTile - 1) / kTile;
+  if (num_tiles == 0) return;
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  // Flags and the ticket counter must start at zero; the tile states need no initialization.
+  at::Tensor flags = at::zeros({num_tiles + 1}, rewards.options().dtype(at::kInt));
+  const bool* mask = action_mask.defined() ? action_mask.data_ptr<bool>() : nullptr;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rewards.scalar_type(), "gae_cuda", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using out_t = acc_t;
+    at::Tensor states = at::empty({2 * num_tiles * static_cast<int64_t>(sizeof(GaeMap<acc_t>))},
+                                  rewards.options().dtype(at::kByte));
+    auto* aggregate = reinterpret_cast<GaeMap<acc_t>*>(states.data_ptr());
+    const acc_t* boot =
+        bootstrap_values.defined() ? bootstrap_values.data_ptr<acc_t>() : nullptr;
+    gae_scan_kernel<scalar_t, acc_t, out_t><<<num_tiles, kThreads, 0, stream>>>(
+        rewards.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(), mask, boot,
+        cu_seqlens.data_ptr<int32_t>(), num_sequences, num_tokens, static_cast<acc_t>(gamma),
+        static_cast<acc_t>(gamma * lam), advantages.data_ptr<out_t>(),
+        returns.data_ptr<out_t>(), aggregate, aggregate + num_tiles, flags.data_ptr<int>(),
+        reinterpret_cast<unsigned int*>(flags.data_ptr<int>() + num_tiles), num_tiles);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace agentrl_fast

@@ -1,0 +1,44 @@
+// GAE over packed trajectories: argument checks and kernel entry points shared by the CPU and
+// CUDA implementations. Semantics: DESIGN.md, "GAE over packed trajectories".
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace agentrl_fast {
+
+// Checks shapes, dtypes and devices (always) and values (when `validate`, one host sync on the
+// GPU), then computes into the preallocated `advantages` and `returns` ([T], float32, or float64
+// when the inputs are float64). Every element of the outputs is written.
+void gae_out(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& cu_seqlens,
+             const std::optional<at::Tensor>& action_mask,
+             const std::optional<at::Tensor>& bootstrap_values, double gamma, double lam,
+             bool validate, at::Tensor& advantages, at::Tensor& returns);
+
+std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
+                                       const at::Tensor& cu_seqlens,
+                                       const std::optional<at::Tensor>& action_mask,
+                                       const std::optional<at::Tensor>& bootstrap_values,
+                                       double gamma, double lam, bool validate);
+
+// The kernels. Inputs are contiguous, on one device, already checked; rewards and values share
+// one dtype; `action_mask` (bool) and `bootstrap_values` (float64 on the CPU, the accumulation
+// dtype on CUDA) may be undefined, meaning all ones and all zeros.
+void gae_cpu_kernel(const at::Tensor& rewards, const at::Tensor& values,
+                    const at::Tensor& cu_seqlens, const at::Tensor& action_mask,
+                    const at::Tensor& bootstrap_values, double gamma, double lam,
+                    at::Tensor& advantages, at::Tensor& returns);
+
+#ifdef AGENTRL_FAST_WITH_CUDA
+void gae_cuda_kernel(const at::Tensor& rewards, const at::Tensor& values,
+                     const at::Tensor& cu_seqlens, const at::Tensor& action_mask,
+                     const at::Tensor& bootstrap_values, double gamma, double lam,
+                     at::Tensor& advantages, at::Tensor& returns);
+#endif
+
+// Accumulation dtype of the kernels for a given input dtype on a given device.
+at::ScalarType gae_output_dtype(at::ScalarType input_dtype);
+
+}  // namespace agentrl_fast
