@@ -10,7 +10,8 @@
 // inclusive value at once, so with many short sequences look-back is one hop at most. Inputs
 // are read once and outputs written once: the kernel moves the minimum number of bytes.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
@@ -233,7 +234,7 @@ void gae_cuda_kernel(const at::Tensor& rewards, const at::Tensor& values,
   const int64_t num_sequences = cu_seqlens.size(0) - 1;
   const int64_t num_tiles = (num_tokens + kTile - 1) / kTile;
   if (num_tiles == 0) return;
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   // Flags and the ticket counter must start at zero; the tile states need no initialization.
   at::Tensor flags = at::zeros({num_tiles + 1}, rewards.options().dtype(at::kInt));
