@@ -1,0 +1,112 @@
+"""Shared by every benchmark script: timing, device facts and the one row format.
+
+Every benchmark writes rows with the same fields (Liger-Kernel's convention), one JSON object
+per line, to a file under ``bench/results/`` (or the folder given with ``--out``):
+
+    op, provider, shape, dtype, device, time_ms, tokens_per_s, gbps, tflops, ratio, commit, date
+
+``gbps`` (achieved bandwidth, bytes the op must move / time) or ``tflops`` is filled where the
+op is bandwidth- or compute-bound; ``ratio`` is the provider's time over ours (> 1: we are
+faster).
+"""
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+@dataclass
+class Row:
+    op: str
+    provider: str
+    shape: str
+    dtype: str
+    device: str
+    time_ms: float
+    tokens_per_s: float | None = None
+    gbps: float | None = None
+    tflops: float | None = None
+    ratio: float | None = None
+    commit: str = field(default_factory=lambda: git_commit())
+    date: str = field(default_factory=lambda: datetime.date.today().isoformat())
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def benchmark(fn, device: torch.device, *, warmup: int = 3, repeats: int = 10,
+              max_seconds: float = 10.0) -> float:
+    """Median time of ``fn()`` in milliseconds. CUDA: CUDA events (triton.testing.do_bench);
+    CPU: wall clock. Stops repeating once ``max_seconds`` is spent (slow baselines)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    start = time.perf_counter()
+    for _ in range(warmup):
+        fn()
+        if time.perf_counter() - start > max_seconds / 2:
+            break
+    times = []
+    start = time.perf_counter()
+    while len(times) < repeats:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if time.perf_counter() - start > max_seconds:
+            break
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 28) -> float:
+    """Measured device-to-device (or memory-to-memory) copy bandwidth: read + write bytes / time."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = benchmark(lambda: dst.copy_(src), device)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def write_rows(rows: list[Row], name: str, out_dir: str | os.PathLike | None = None) -> Path:
+    """Append rows to ``<out_dir or bench/results>/<name>.jsonl``; returns the path."""
+    folder = Path(out_dir) if out_dir else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.jsonl"
+    with path.open("a") as handle:
+        for row in rows:
+            handle.write(json.dumps(asdict(row)) + "\n")
+    return path
+
+
+def print_table(rows: list[Row]) -> None:
+    header = f"{'op':<10} {'provider':<24} {'shape':<34} {'dtype':<9} {'time ms':>10} " \
+             f"{'Mtok/s':>10} {'GB/s':>8} {'ratio':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        tok = f"{r.tokens_per_s / 1e6:.2f}" if r.tokens_per_s else "-"
+        gbps = f"{r.gbps:.1f}" if r.gbps else "-"
+        ratio = f"{r.ratio:.1f}x" if r.ratio else "-"
+        print(f"{r.op:<10} {r.provider:<24} {r.shape:<34} {r.dtype:<9} {r.time_ms:>10.3f} "
+              f"{tok:>10} {gbps:>8} {ratio:>10}")
