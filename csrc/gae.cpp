@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <string>
 #include <atomic>
 #include <cmath>
 #include <vector>
@@ -14,6 +15,21 @@
 
 namespace agentrl_fast {
 namespace {
+
+// The name a Python user knows a dtype by, for error messages.
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    case at::kByte: return "torch.uint8";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
 
 bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
@@ -50,10 +66,10 @@ CheckedArgs check_gae_args(const at::Tensor& rewards, const at::Tensor& values,
                            double lam) {
   TORCH_CHECK_TYPE(is_supported_float(rewards.scalar_type()),
                    "rewards must be float32, float64, float16 or bfloat16, got ",
-                   rewards.scalar_type());
+                   dtype_name(rewards.scalar_type()));
   TORCH_CHECK_TYPE(is_supported_float(values.scalar_type()),
                    "values must be float32, float64, float16 or bfloat16, got ",
-                   values.scalar_type());
+                   dtype_name(values.scalar_type()));
   TORCH_CHECK_VALUE(rewards.dim() == 1, "rewards must be 1-D [T] (packed tokens), got shape ",
                     rewards.sizes());
   const int64_t num_tokens = rewards.size(0);
@@ -63,7 +79,7 @@ CheckedArgs check_gae_args(const at::Tensor& rewards, const at::Tensor& values,
   check_per_token(values, "values", num_tokens, device);
 
   TORCH_CHECK_TYPE(cu_seqlens.scalar_type() == at::kInt, "cu_seqlens must be int32, got ",
-                   cu_seqlens.scalar_type(), "; pass cu_seqlens.to(torch.int32)");
+                   dtype_name(cu_seqlens.scalar_type()), "; pass cu_seqlens.to(torch.int32)");
   TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1,
                     "cu_seqlens must be 1-D [B+1] with at least one element (cu_seqlens[0] = 0), ",
                     "got shape ", cu_seqlens.sizes());
@@ -86,7 +102,7 @@ CheckedArgs check_gae_args(const at::Tensor& rewards, const at::Tensor& values,
 
   if (action_mask.has_value() && action_mask->defined()) {
     TORCH_CHECK_TYPE(action_mask->scalar_type() == at::kBool, "action_mask must be bool, got ",
-                     action_mask->scalar_type(), "; pass action_mask.bool()");
+                     dtype_name(action_mask->scalar_type()), "; pass action_mask.bool()");
     check_per_token(*action_mask, "action_mask", num_tokens, device);
     out.action_mask = action_mask->contiguous();
   }
@@ -94,7 +110,7 @@ CheckedArgs check_gae_args(const at::Tensor& rewards, const at::Tensor& values,
     const at::Tensor& boot = *bootstrap_values;
     TORCH_CHECK_TYPE(is_supported_float(boot.scalar_type()),
                      "bootstrap_values must be float32, float64, float16 or bfloat16, got ",
-                     boot.scalar_type());
+                     dtype_name(boot.scalar_type()));
     TORCH_CHECK_VALUE(boot.dim() == 1 && boot.size(0) == num_sequences,
                       "bootstrap_values must be 1-D [B] with B = len(cu_seqlens) - 1 = ",
                       num_sequences, ", got shape ", boot.sizes());
@@ -161,8 +177,8 @@ void validate_gae_values(const CheckedArgs& args, const at::Tensor& raw_bootstra
 
 void check_output(const at::Tensor& out, const char* name, int64_t num_tokens,
                   at::ScalarType dtype, const at::Device& device) {
-  TORCH_CHECK_TYPE(out.scalar_type() == dtype, name, " must be ", dtype,
-                   " (float64 only for float64 inputs), got ", out.scalar_type());
+  TORCH_CHECK_TYPE(out.scalar_type() == dtype, name, " must be ", dtype_name(dtype),
+                   " (float64 only for float64 inputs), got ", dtype_name(out.scalar_type()));
   TORCH_CHECK_VALUE(out.dim() == 1 && out.size(0) == num_tokens, name, " must be 1-D [T] with T = ",
                     num_tokens, ", got shape ", out.sizes());
   TORCH_CHECK_VALUE(out.device() == device, name, " must be on ", device, ", got ", out.device());
@@ -256,6 +272,19 @@ void gae_cpu_typed(const scalar_t* rewards, const scalar_t* values, const bool* 
       const int64_t c_end = std::min(end, c + kCpuChunk);
       chunks.push_back({c, c_end, b, c == begin, c_end == end});
     }
+  }
+  // Tokens outside every sequence exist only with unvalidated cu_seqlens; they get zeros so
+  // that every output element is written whatever the input.
+  {
+    int64_t covered = 0;
+    auto zero = [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) adv[t] = ret[t] = out_t(0);
+    };
+    for (const Chunk& c : chunks) {
+      zero(covered, c.begin);
+      covered = c.end;
+    }
+    zero(covered, num_tokens);
   }
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   std::vector<GaeMap<double>> aggregate(num_chunks);

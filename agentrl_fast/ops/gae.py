@@ -144,13 +144,14 @@ def whiten(
     if not advantages.is_floating_point():
         raise TypeError(f"advantages must be floating point, got {advantages.dtype}")
     compute_dtype = torch.float64 if advantages.dtype == torch.float64 else torch.float32
-    x = advantages.to(compute_dtype)
-    weight = action_mask.to(compute_dtype)
-    count = weight.sum()
-    mean = (x * weight).sum() / count.clamp(min=1)
-    centered = (x - mean) * weight
+    zero = torch.zeros((), dtype=compute_dtype, device=advantages.device)
+    # where(), not a product with the mask: non-finite values on non-action tokens stay out.
+    x = torch.where(action_mask, advantages.to(compute_dtype), zero)
+    count = action_mask.sum().to(compute_dtype)
+    mean = x.sum() / count.clamp(min=1)
+    centered = torch.where(action_mask, x - mean, zero)
     variance = (centered * centered).sum() / (count - 1).clamp(min=1)
     whitened = centered * torch.rsqrt(variance + eps)
     if not shift_mean:
-        whitened = whitened + mean * weight
+        whitened = torch.where(action_mask, whitened + mean, zero)
     return whitened.to(advantages.dtype)
