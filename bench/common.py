@@ -100,7 +100,7 @@ def write_rows(rows: list[Row], name: str, out_dir: str | os.PathLike | None = N
 
 
 def print_table(rows: list[Row]) -> None:
-    header = f"{'op':<10} {'provider':<24} {'shape':<34} {'dtype':<9} {'time ms':>10} " \
+    header = f"{'op':<10} {'provider':<44} {'shape':<34} {'dtype':<9} {'time ms':>10} " \
              f"{'Mtok/s':>10} {'GB/s':>8} {'ratio':>10}"
     print(header)
     print("-" * len(header))
@@ -108,5 +108,5 @@ def print_table(rows: list[Row]) -> None:
         tok = f"{r.tokens_per_s / 1e6:.2f}" if r.tokens_per_s else "-"
         gbps = f"{r.gbps:.1f}" if r.gbps else "-"
         ratio = f"{r.ratio:.1f}x" if r.ratio else "-"
-        print(f"{r.op:<10} {r.provider:<24} {r.shape:<34} {r.dtype:<9} {r.time_ms:>10.3f} "
+        print(f"{r.op:<10} {r.provider:<44} {r.shape:<34} {r.dtype:<9} {r.time_ms:>10.3f} "
               f"{tok:>10} {gbps:>8} {ratio:>10}")

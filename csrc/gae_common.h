@@ -66,14 +66,14 @@ AGENTRL_HD bool gae_map_is_constant(const GaeMap<acc_t>& m) {
 
 // One backward step of the recurrence on the carry (vn, an). Returns the token's advantage
 // (meaningful on action tokens only) and updates the carry in place.
+// Branch-free (selects, not jumps): action masks mix short runs that defeat branch prediction.
 template <typename acc_t>
 AGENTRL_HD acc_t gae_step(acc_t reward, acc_t value, bool is_action, acc_t gamma, acc_t gamma_lam,
                           acc_t& vn, acc_t& an) {
-  if (!is_action) return acc_t(0);
-  const acc_t advantage = (reward - value) + gamma * vn + gamma_lam * an;
-  vn = value;
-  an = advantage;
-  return advantage;
+  const acc_t candidate = (reward - value) + gamma * vn + gamma_lam * an;
+  vn = is_action ? value : vn;
+  an = is_action ? candidate : an;
+  return is_action ? candidate : acc_t(0);
 }
 
 // Apply a map to a carry.
