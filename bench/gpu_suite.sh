@@ -41,7 +41,12 @@ stage() {
   shift 3
   local start rc
   start=$(date +%s)
-  timeout --kill-after=10 "$cap" "$@" > "$OUT/$log" 2>&1
+  if declare -F "$1" > /dev/null; then
+    # A function of this script: timeout runs programs, so run it in a child bash.
+    timeout --kill-after=10 "$cap" bash -c "$1" > "$OUT/$log" 2>&1
+  else
+    timeout --kill-after=10 "$cap" "$@" > "$OUT/$log" 2>&1
+  fi
   rc=$?
   local verdict=ok
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="TIMED OUT after ${cap}s"; FAILED=1
@@ -52,7 +57,7 @@ stage() {
 env_report() {
   date -u
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  echo "device: $DEVICE ${TINY[*]:-}"
+  echo "device: $DEVICE $TINY_FLAG"
   command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   command -v nvcc > /dev/null && nvcc --version | tail -1
   "$PYTHON" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda available', torch.cuda.is_available())"
@@ -79,6 +84,8 @@ gpu_tests() {
   return $rc
 }
 
+export DEVICE PYTHON TINY_FLAG="${TINY[*]:-}"
+export -f env_report build gpu_tests
 stage env 30 env.txt env_report
 stage build 150 build.log build
 stage tests 60 tests.log gpu_tests
