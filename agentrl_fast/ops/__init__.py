@@ -2,5 +2,6 @@
 all of them are in ``agentrl_fast.ops.reference``."""
 
 from agentrl_fast.ops.gae import gae, gae_padded, whiten
+from agentrl_fast.ops.varlen_attention import varlen_attention
 
-__all__ = ["gae", "gae_padded", "whiten"]
+__all__ = ["gae", "gae_padded", "varlen_attention", "whiten"]

@@ -20,3 +20,53 @@ def require_real(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
+
+
+@torch.library.custom_op("agentrl_fast::validate_cu_seqlens", mutates_args=())
+def validate_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int) -> torch.Tensor:
+    """Value checks of ``cu_seqlens`` (one host sync on the GPU); returns a copy of it.
+
+    A registered op, so that ``torch.compile`` keeps one graph; callers pass the returned copy on
+    to the kernel so the check cannot be dropped as dead code. ``max_seqlen < 0`` skips the
+    ``max_seqlen`` check.
+    """
+    if cu_seqlens.numel() == 0:
+        raise ValueError("cu_seqlens must have at least one element (cu_seqlens[0] = 0)")
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    probes = torch.stack([
+        cu[0], cu[-1],
+        torch.where((lengths < 0).any(), (lengths < 0).to(torch.uint8).argmax(), -1),
+        lengths.max() if lengths.numel() else torch.zeros((), dtype=torch.int64, device=cu.device),
+    ]).tolist()
+    first, last, decreasing_at, longest = probes
+    if first != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {first}")
+    if decreasing_at >= 0:
+        i = decreasing_at
+        raise ValueError(f"cu_seqlens must be non-decreasing, but cu_seqlens[{i}] = {int(cu[i])} > "
+                         f"cu_seqlens[{i + 1}] = {int(cu[i + 1])}")
+    if last != num_tokens:
+        raise ValueError(f"cu_seqlens[-1] must equal the number of tokens T = {num_tokens}, got {last}")
+    if max_seqlen >= 0 and max_seqlen < longest:
+        raise ValueError(f"max_seqlen = {max_seqlen} is smaller than the longest sequence in "
+                         f"cu_seqlens ({longest}); pass max_seqlen >= {longest}")
+    return cu_seqlens.clone()
+
+
+@validate_cu_seqlens.register_fake
+def _validate_cu_seqlens_fake(cu_seqlens, num_tokens, max_seqlen):
+    return torch.empty_like(cu_seqlens)
+
+
+def check_cu_seqlens_metadata(cu_seqlens: torch.Tensor, device: torch.device) -> None:
+    """Metadata checks of ``cu_seqlens`` (no sync): int32, 1-D, non-empty, on ``device``."""
+    require_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must be torch.int32, got {cu_seqlens.dtype}; "
+                        "pass cu_seqlens.to(torch.int32)")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must be 1-D [B+1] with at least one element (cu_seqlens[0] = 0), "
+                         f"got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens must be on {device} like q, got {cu_seqlens.device}")

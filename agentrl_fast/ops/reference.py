@@ -83,3 +83,46 @@ def whiten_reference(advantages: torch.Tensor, action_mask: torch.Tensor, shift_
         whitened = whitened + mean
     out[m] = whitened
     return out
+
+
+def varlen_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 ``(out[T, Hq, D], lse[Hq, T])`` of attention within each packed sequence.
+
+    Query head ``h`` reads KV head ``h // (Hq // Hk)``; with ``causal`` token ``i`` of a sequence
+    sees tokens ``0..i`` of it. Differentiable (float64 autograd) for gradient references.
+    """
+    q64, k64, v64 = (x.to("cpu", torch.float64) for x in (q, k, v))
+    num_tokens, num_heads_q, head_dim = q64.shape
+    group = num_heads_q // k64.shape[1]
+    scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    outs, lses = [], []
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    for start, end in zip(cu[:-1], cu[1:]):
+        if start == end:
+            continue
+        head_outs, head_lses = [], []
+        for h in range(num_heads_q):
+            qh = q64[start:end, h]                      # [L, D]
+            kh = k64[start:end, h // group]
+            vh = v64[start:end, h // group]
+            scores = (qh @ kh.T) * scale                # [L, L]
+            if causal:
+                length = end - start
+                allowed = torch.ones(length, length, dtype=torch.bool).tril()
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)
+            head_outs.append(torch.softmax(scores, dim=-1) @ vh)
+            head_lses.append(lse)
+        outs.append(torch.stack(head_outs, dim=1))      # [L, Hq, D]
+        lses.append(torch.stack(head_lses, dim=0))      # [Hq, L]
+    if not outs:
+        return (q64.new_zeros(num_tokens, num_heads_q, v64.shape[2]),
+                q64.new_zeros(num_heads_q, num_tokens))
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
