@@ -1,0 +1,1 @@
+"""HF integration: packed forward passes of any HF causal LM through agentrl_fast ops."""
