@@ -6,9 +6,13 @@
 // sequences, a long tail, one sequence of 10^6 tokens all run at the same speed). Tiles are
 // handed out right to left by an atomic ticket; each tile publishes its aggregate, then looks
 // back over the tiles to its right (decoupled look-back, as in CUB's single-pass scan) for the
-// carry entering it. A tile that contains a sequence end is self-contained and publishes its
-// inclusive value at once, so with many short sequences look-back is one hop at most. Inputs
-// are read once and outputs written once: the kernel moves the minimum number of bytes.
+// carry entering it. A tile whose aggregate is constant (it contains a sequence end) publishes
+// its inclusive value at once, so look-back from the left stops there: with many short
+// sequences it is one hop. Inputs are read once and outputs written once: the kernel moves the
+// minimum number of bytes.
+//
+// With validate=false, non-finite inputs may spread NaN into earlier sequences of the same or
+// the previous tile (0 * NaN in the map algebra); validated inputs are finite.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -25,6 +29,10 @@ constexpr int kThreads = 256;
 constexpr int kItems = 8;
 constexpr int kTile = kThreads * kItems;
 constexpr int kWarps = kThreads / 32;
+// Shared-memory slots are skewed by one every 32 so that a thread reading its kItems
+// consecutive tokens (stride kItems between threads) hits distinct banks.
+constexpr int kTileSlots = kTile + kTile / 32;
+__device__ __forceinline__ int slot(int i) { return i + (i >> 5); }
 
 enum TileFlag : int { kNotReady = 0, kAggregateReady = 1, kInclusiveReady = 2 };
 
@@ -81,9 +89,9 @@ __global__ void __launch_bounds__(kThreads)
                     out_t* __restrict__ returns, GaeMap<acc_t>* tile_aggregate,
                     GaeMap<acc_t>* tile_inclusive, int* tile_flag, unsigned int* tile_ticket,
                     int64_t num_tiles) {
-  __shared__ acc_t s_reward[kTile];
-  __shared__ acc_t s_value[kTile];
-  __shared__ unsigned char s_action[kTile];
+  __shared__ acc_t s_reward[kTileSlots];
+  __shared__ acc_t s_value[kTileSlots];
+  __shared__ unsigned char s_action[kTileSlots];
   __shared__ GaeMap<acc_t> s_warp[kWarps];
   __shared__ GaeMap<acc_t> s_right_of_warp[kWarps];
   __shared__ int64_t s_tile;
@@ -99,13 +107,16 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t base = tile * kTile;
 
   // Coalesced loads into shared memory.
-  for (int i = tid; i < kTile; i += kThreads) {
-    const int64_t t = base + i;
+  for (int j = tid; j < kTile; j += kThreads) {
+    const int64_t t = base + j;
+    const int i = slot(j);
     if (t < num_tokens) {
       s_reward[i] = static_cast<acc_t>(rewards[t]);
       s_value[i] = static_cast<acc_t>(values[t]);
       s_action[i] = action_mask == nullptr ? 1 : static_cast<unsigned char>(action_mask[t]);
-    } else {
+    } else {  // past the end: identity maps
+      s_reward[i] = acc_t(0);
+      s_value[i] = acc_t(0);
       s_action[i] = 0;
     }
   }
@@ -125,16 +136,19 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t t = t0 + k;
       item_bootstrap[k] = acc_t(0);
       if (t >= num_tokens) continue;
-      while (b < num_sequences && t >= static_cast<int64_t>(__ldg(cu + b + 1))) ++b;
+      // Crossing a boundary: search again (a run of empty sequences costs log B, not its length).
+      if (b < num_sequences && t >= static_cast<int64_t>(__ldg(cu + b + 1))) {
+        b = find_sequence(cu, num_sequences, t);
+      }
       if (b >= 0 && b < num_sequences && t + 1 == static_cast<int64_t>(__ldg(cu + b + 1))) {
         end_bits |= 1u << k;
         item_bootstrap[k] = bootstrap == nullptr ? acc_t(0) : bootstrap[b];
       }
-      if (b < 0 || b >= num_sequences) s_action[first + k] = 0;  // outside every sequence
+      if (b < 0 || b >= num_sequences) s_action[slot(first + k)] = 0;  // outside every sequence
     }
 #pragma unroll
     for (int k = kItems - 1; k >= 0; --k) {
-      const int i = first + k;
+      const int i = slot(first + k);
       GaeMap<acc_t> m = gae_token_map<acc_t>(s_reward[i], s_value[i], s_action[i] != 0, gamma,
                                              gamma_lam);
       if (end_bits & (1u << k)) m = gae_compose(m, gae_bootstrap_map<acc_t>(item_bootstrap[k]));
@@ -161,8 +175,13 @@ __global__ void __launch_bounds__(kThreads)
     }
     // `right` is now the tile's aggregate. Publish it, then find the carry from the right.
     const GaeMap<acc_t> aggregate = right;
-    GaeMap<acc_t> from_right = gae_identity_map<acc_t>();
-    if (tile == num_tiles - 1 || gae_map_is_constant(aggregate)) {
+    // A tile whose aggregate is constant (it holds a sequence end, or gamma * lam made the map
+    // forget its input) publishes its inclusive value at once, so tiles to its left stop here;
+    // but its own tokens right of its last constant point still need the carry from the right,
+    // so every tile except the last looks back.
+    const bool is_last = tile == num_tiles - 1;
+    const bool self_contained = is_last || gae_map_is_constant(aggregate);
+    if (self_contained) {
       store_volatile(tile_inclusive + tile, aggregate);
       __threadfence();
       atomicExch(tile_flag + tile, kInclusiveReady);
@@ -170,6 +189,9 @@ __global__ void __launch_bounds__(kThreads)
       store_volatile(tile_aggregate + tile, aggregate);
       __threadfence();
       atomicExch(tile_flag + tile, kAggregateReady);
+    }
+    GaeMap<acc_t> from_right = gae_identity_map<acc_t>();
+    if (!is_last) {
       for (int64_t j = tile + 1; j < num_tiles; ++j) {
         int flag;
         while ((flag = *reinterpret_cast<volatile int*>(tile_flag + j)) == kNotReady) {
@@ -185,6 +207,8 @@ __global__ void __launch_bounds__(kThreads)
         from_right = gae_compose(from_right, load_volatile(tile_aggregate + j));
         if (gae_map_is_constant(from_right)) break;
       }
+    }
+    if (!self_contained) {
       store_volatile(tile_inclusive + tile, gae_compose(aggregate, from_right));
       __threadfence();
       atomicExch(tile_flag + tile, kInclusiveReady);
@@ -202,7 +226,7 @@ __global__ void __launch_bounds__(kThreads)
   gae_apply(gae_compose(exclusive, s_right_of_warp[warp]), vn, an);
 #pragma unroll
   for (int k = kItems - 1; k >= 0; --k) {
-    const int i = first + k;
+    const int i = slot(first + k);
     if (end_bits & (1u << k)) {
       vn = item_bootstrap[k];
       an = acc_t(0);
@@ -214,8 +238,9 @@ __global__ void __launch_bounds__(kThreads)
     s_value[i] = action ? a + value : acc_t(0);
   }
   __syncthreads();
-  for (int i = tid; i < kTile; i += kThreads) {
-    const int64_t t = base + i;
+  for (int j = tid; j < kTile; j += kThreads) {
+    const int64_t t = base + j;
+    const int i = slot(j);
     if (t < num_tokens) {
       advantages[t] = static_cast<out_t>(s_reward[i]);
       returns[t] = static_cast<out_t>(s_value[i]);
