@@ -136,9 +136,14 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t t = t0 + k;
       item_bootstrap[k] = acc_t(0);
       if (t >= num_tokens) continue;
-      // Crossing a boundary: search again (a run of empty sequences costs log B, not its length).
-      if (b < num_sequences && t >= static_cast<int64_t>(__ldg(cu + b + 1))) {
-        b = find_sequence(cu, num_sequences, t);
+      // Crossing boundaries: step, and search again after a few steps (a run of empty
+      // sequences costs log B, not its length).
+      for (int steps = 0; b < num_sequences && t >= static_cast<int64_t>(__ldg(cu + b + 1));) {
+        ++b;
+        if (++steps == 4) {
+          b = find_sequence(cu, num_sequences, t);
+          break;
+        }
       }
       if (b >= 0 && b < num_sequences && t + 1 == static_cast<int64_t>(__ldg(cu + b + 1))) {
         end_bits |= 1u << k;
@@ -209,7 +214,10 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     if (!self_contained) {
-      store_volatile(tile_inclusive + tile, gae_compose(aggregate, from_right));
+      // The aggregate again, from shared memory: keeping it live across the look-back loop
+      // made ptxas spill.
+      const GaeMap<acc_t> tile_map = gae_compose(s_warp[0], s_right_of_warp[0]);
+      store_volatile(tile_inclusive + tile, gae_compose(tile_map, from_right));
       __threadfence();
       atomicExch(tile_flag + tile, kInclusiveReady);
     }
