@@ -11,7 +11,8 @@ Providers, all in this process, all checked before they are timed:
   sparsity of a document-causal mask is known in closed form, and ``create_block_mask`` would
   materialize ``T x T`` booleans). Compiled (``torch.compile``, dynamic shapes: one compile for
   every T) on CUDA; on the CPU it runs eager (unfused, scores materialized) unless
-  ``--flex-compile`` is given, since compiling it there takes longer than this benchmark.
+  ``--flex-compile`` is given (a compile costs ~10 s there), forward only (torch's flex_attention
+  has no CPU backward: a printed note says so).
 * ``sdpa-padded``: the sequences padded to ``[B, max_len]`` (right padding) and
   ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``. With right padding the
   causal mask is the padding+causal mask for every real token (its window holds real tokens
@@ -27,7 +28,8 @@ ours. Inputs are random normal.
 Mixes (``--mix``): "uniform" (lengths uniform in a range), "long-tail" (log-uniform 64..32768),
 "bimodal" (half the tokens in sequences of ~128..320, half in 8192..16384). CUDA: 65536 and
 262144 tokens, 32 query / 8 KV heads, head dim 128, bfloat16. ``--tiny``: 2048 tokens, 4 / 2
-heads, head dim 64, float32 (bf16 matrix products are slow on the CPU). ``--device cpu``: 8192
+heads, head dim 64, float32 (bf16 matrix products are slow on the CPU), one CPU thread (the dry
+run checks the plumbing; one thread stays fast on a shared CI box). ``--device cpu``: 8192
 tokens, 8 / 2 heads, head dim 64, float32.
 
 FLOPs are counted as flash-attention counts them: forward ``4 * sum(L^2) * Hq * D``, halved
@@ -38,7 +40,8 @@ dtype on CUDA). ``ratio`` = provider time / ours (> 1: ours is faster).
 Timing: CPU, ``bench.common.benchmark``. CUDA: CUDA events around each call, median of at least
 3 calls after the checked (warm-up) call, more while under ~100 ms in all; like
 ``triton.testing.do_bench`` without its 5 estimation calls, which would cost seconds on the
-slowest instances (every input is >= 512 MiB, far above the L2 cache, so no flush is needed).
+slowest instances (at the CUDA sizes every input is >= 512 MiB, far above the L2 cache, so no
+flush is needed).
 ``--time-budget`` (45 s on CUDA) skips, with a note, what would start after it is spent; rows
 are appended after every instance, so a run cut off still leaves its finished instances.
 
@@ -126,8 +129,10 @@ def mix_lengths(name: str, total: int, sizes: Sizes, seed: int) -> list[int]:
         return _fill(uniform(*sizes.uniform), total)
     if name == "long-tail":
         low, high = (math.log(x) for x in sizes.long_tail)
-        return _fill(lambda: round(math.exp(float(torch.empty(()).uniform_(low, high, generator=gen)))),
-                     total)
+
+        def log_uniform() -> int:
+            return round(math.exp(float(torch.empty(()).uniform_(low, high, generator=gen))))
+        return _fill(log_uniform, total)
     if name == "bimodal":
         lengths = _fill(uniform(*sizes.long), total // 2) + _fill(uniform(*sizes.short),
                                                                  total - total // 2)
@@ -156,7 +161,8 @@ def make_instance(name: str, lengths: list[int], sizes: Sizes, device: torch.dev
         "v": randn(total, hk, d).requires_grad_(), "dout": randn(total, hq, d),
         "cu_seqlens": cu.to(device),
         "doc": torch.repeat_interleave(torch.arange(len(lengths)), counts).to(device),
-        "shape": f"{name} B={len(lengths)} T={total} Hq={hq} Hk={hk} D={d}",
+        "shape": f"{name} B={len(lengths)} T={total} Hq={hq} Hk={hk} D={d}"
+                 + ("" if causal else " non-causal"),
     }
 
 
@@ -268,7 +274,7 @@ def make_flex_provider(device: torch.device, args: argparse.Namespace) -> Provid
         flex = flex_attention
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         print("note: flex_attention runs eager on the CPU (unfused, scores materialized); "
-              "--flex-compile compiles it (slow to compile here)")
+              "--flex-compile compiles it")
 
     def prepare(inst: dict) -> Prepared:
         doc, causal = inst["doc"], inst["causal"]
@@ -340,7 +346,8 @@ def make_padded_provider(device: torch.device, args: argparse.Namespace) -> Prov
         batch, longest = len(inst["lengths"]), inst["max_len"]
         hq, hk, d = inst["heads_q"], inst["heads_k"], inst["head_dim"]
         size = inst["q"].element_size()
-        gib = batch * longest * (4 * hq + 4 * hk) * d * size / 2**30  # q, out, dq, dout; k, v, dk, dv
+        # q, out, dq, dout with Hq heads; k, v, dk, dv with Hk heads
+        gib = batch * longest * (4 * hq + 4 * hk) * d * size / 2**30
         tflop = attention_flops([longest] * batch, hq, d, inst["causal"], mode) / 1e12
         if gib > args.max_padded_gib:
             return f"padded tensors {gib:.1f} GiB > --max-padded-gib {args.max_padded_gib}"
@@ -368,10 +375,12 @@ def reference_limit(args: argparse.Namespace) -> Callable[[dict, str], str | Non
     return limit
 
 
-def make_providers(device: torch.device, args: argparse.Namespace) -> tuple[Provider, list[Provider]]:
+def make_providers(device: torch.device,
+                   args: argparse.Namespace) -> tuple[Provider, list[Provider]]:
     """Ours (backend auto), then every other available backend, flex_attention, sdpa-padded."""
     auto = resolve_backend("auto", device)
-    ours = Provider(f"agentrl_fast (auto: {auto})", lambda inst: prepare_ours(inst, "auto"), ours=True)
+    ours = Provider(f"agentrl_fast (auto: {auto})", lambda inst: prepare_ours(inst, "auto"),
+                    ours=True)
     others = []
     for name in available_backends(device):
         if name == auto:
@@ -429,7 +438,8 @@ def compare(label: str, got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor,
 
 
 def check_small(ours: Provider, providers: list[Provider], sizes: Sizes, device: torch.device,
-                dtype: torch.dtype, args: argparse.Namespace, failures: list[str]) -> list[Provider]:
+                dtype: torch.dtype, args: argparse.Namespace,
+                failures: list[str]) -> list[Provider]:
     """Every provider on a small instance against the float64 reference (outputs and gradients).
     Returns the providers that passed; a failing baseline is dropped with a note."""
     inst = make_instance("check", CHECK_LENGTHS, sizes, device, dtype, args.causal, args.seed + 1)
@@ -497,7 +507,8 @@ def measure(fn: Callable[[], object], device: torch.device, args: argparse.Names
 
 def make_row(provider: str, inst: dict, mode: str, device: torch.device, ms: float,
              ours_ms: float) -> common.Row:
-    flops = attention_flops(inst["lengths"], inst["heads_q"], inst["head_dim"], inst["causal"], mode)
+    flops = attention_flops(inst["lengths"], inst["heads_q"], inst["head_dim"], inst["causal"],
+                            mode)
     return common.Row(
         op="varlen_attention", provider=provider, shape=f"{inst['shape']} {mode}",
         dtype=str(inst["q"].dtype).removeprefix("torch."), device=common.device_name(device),
@@ -515,7 +526,8 @@ class Budget:
 
 
 def bench_instance(inst: dict, ours: Provider, providers: list[Provider], device: torch.device,
-                   args: argparse.Namespace, budget: Budget, failures: list[str]) -> list[common.Row]:
+                   args: argparse.Namespace, budget: Budget,
+                   failures: list[str]) -> list[common.Row]:
     """Rows of one instance: ours first in each mode (ratio 1.0), then every provider, each
     checked against ours on this instance before it is timed."""
     dtype = inst["q"].dtype
@@ -576,7 +588,7 @@ def bench_instance(inst: dict, ours: Provider, providers: list[Provider], device
                 ours_ms[mode] = ms
             row = make_row(provider.name, inst, mode, device, ms, ours_ms[mode])
             rows.append(row)
-            print(f"  {provider.name} {mode}: {ms:.3f} ms, {row.tflops:.1f} TFLOP/s, "
+            print(f"  {provider.name} {mode}: {ms:.3f} ms, {row.tflops:.3g} TFLOP/s, "
                   f"ratio {row.ratio:.2f} ({error_text})", flush=True)
         del prepared
         if device.type == "cuda":
@@ -584,7 +596,8 @@ def bench_instance(inst: dict, ours: Provider, providers: list[Provider], device
     return rows
 
 
-def matrix_rate(device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> tuple[int, float]:
+def matrix_rate(device: torch.device, dtype: torch.dtype,
+                args: argparse.Namespace) -> tuple[int, float]:
     """(n, TFLOP/s) of an n^3 matmul in ``dtype``: the ceiling stated with every figure."""
     n = 8192 if device.type == "cuda" and not args.tiny else (1024 if args.tiny else 2048)
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -623,9 +636,10 @@ def run(args: argparse.Namespace) -> tuple[list[common.Row], list[str]]:
             start = time.perf_counter()
             lengths = mix_lengths(name, total, sizes, args.seed + index)
             inst = make_instance(name, lengths, sizes, device, dtype, args.causal, args.seed)
+            tflop = attention_flops(lengths, sizes.heads_q, sizes.head_dim, args.causal,
+                                    "fwd") / 1e12
             print(f"bench {inst['shape']} (max len {inst['max_len']}, causal {args.causal}, "
-                  f"{attention_flops(lengths, sizes.heads_q, sizes.head_dim, args.causal, 'fwd') / 1e12:.3g}"
-                  f" TFLOP forward)", flush=True)
+                  f"{tflop:.3g} TFLOP forward)", flush=True)
             new = bench_instance(inst, ours, providers, device, args, budget, failures)
             if new:
                 path = common.write_rows(new, "varlen_attention", args.out)
@@ -678,7 +692,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="CUDA: keep timing a provider (up to 50 calls) until this many ms")
     parser.add_argument("--max-seconds", type=float, default=10.0,
                         help="CPU: stop repeating a provider after this many seconds")
-    parser.add_argument("--max-padded-gib", type=float, default=16.0)
+    parser.add_argument("--max-padded-gib", type=float, default=None,
+                        help="skip sdpa-padded when its padded tensors (inputs, output, "
+                             "gradients) exceed this (default 32 on CUDA, 4 on the CPU)")
     parser.add_argument("--max-padded-tflop", type=float, default=None,
                         help="skip sdpa-padded above this padded work (default 100 on CUDA, "
                              "0.05 on the CPU)")
@@ -686,10 +702,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="skip backend=reference when one sequence's float32 scores exceed it")
     parser.add_argument("--max-reference-tflop", type=float, default=12.0,
                         help="skip backend=reference (not ours) above this counted work")
-    parser.add_argument("--max-eager-flex-gib", type=float, default=1.0)
+    parser.add_argument("--max-eager-flex-gib", type=float, default=1.0,
+                        help="skip eager (CPU) flex_attention above this many GiB of scores")
     args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
     if args.max_padded_tflop is None:
-        args.max_padded_tflop = 100.0 if args.device == "cuda" else 0.05
+        args.max_padded_tflop = 100.0 if cuda else 0.05
+    if args.max_padded_gib is None:
+        args.max_padded_gib = 32.0 if cuda else 4.0
     return args
 
 

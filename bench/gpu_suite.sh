@@ -7,7 +7,10 @@
 #   bench/gpu_suite.sh OUT_DIR --device cpu --tiny  # CI's dry run: same stages, tiny sizes
 #
 # Files: summary.txt (one line per stage), env.txt, build.log, tests.log, bench_gae.log,
-# gae.jsonl (benchmark rows). Exit status: non-zero when any stage failed.
+# gae.jsonl, bench_varlen_attention.log, varlen_attention.jsonl (benchmark rows). Exit status:
+# non-zero when any stage failed. Each stage's cap is also cut to what is left of SUITE_SECONDS
+# (default 285: with timeout's 10 s kill grace the whole stays under 5 minutes); a stage with
+# under 10 s left is skipped and counts as failed.
 set -u
 
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
@@ -33,14 +36,23 @@ OUT=$(cd "$OUT" && pwd)
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 FAILED=0
+SUITE_SECONDS=${SUITE_SECONDS:-285}
+DEADLINE=$(( $(date +%s) + SUITE_SECONDS ))
 : > "$OUT/summary.txt"
 
 # stage NAME CAP_SECONDS LOG COMMAND...: runs COMMAND under a time cap, output to OUT/LOG.
 stage() {
   local name=$1 cap=$2 log=$3
   shift 3
-  local start rc
+  local start rc left
   start=$(date +%s)
+  left=$(( DEADLINE - start ))
+  if [ "$left" -lt 10 ]; then
+    FAILED=1
+    echo "$name: SKIPPED (${left}s left of the suite's ${SUITE_SECONDS}s)" | tee -a "$OUT/summary.txt"
+    return
+  fi
+  [ "$left" -lt "$cap" ] && cap=$left
   if declare -F "$1" > /dev/null; then
     # A function of this script: timeout runs programs, so run it in a child bash.
     timeout --kill-after=10 "$cap" bash -c "$1" > "$OUT/$log" 2>&1
@@ -90,6 +102,8 @@ stage env 30 env.txt env_report
 stage build 150 build.log build
 stage tests 60 tests.log gpu_tests
 stage bench_gae 90 bench_gae.log "$PYTHON" bench/bench_gae.py --device "$DEVICE" "${TINY[@]}" --out "$OUT"
+stage bench_varlen_attention 60 bench_varlen_attention.log \
+  "$PYTHON" bench/bench_varlen_attention.py --device "$DEVICE" "${TINY[@]}" --out "$OUT"
 
 echo "gpu_suite: $([ $FAILED -eq 0 ] && echo all stages passed || echo SOME STAGES FAILED)" | tee -a "$OUT/summary.txt"
 exit $FAILED

@@ -250,10 +250,15 @@ def test_attention_receives_no_mask_and_validates_once(spy_setup):
         assert call["cu_seqlens"] == cu_seqlens.tolist() and call["max_seqlen"] == max_seqlen
     assert validations == [(cu_seqlens.tolist(), num_tokens, max_seqlen)]  # once, up front
 
-    # packed_forward(validate=False): no value check at all
+    # packed_forward(validate=False): no value check at all, and the caller's tensor is not
+    # marked as validated (a later direct call with it checks it)
     validations.clear()
     packed_forward(model, input_ids, position_ids, cu_seqlens, max_seqlen, validate=False)
     assert validations == []
+    with torch.no_grad():
+        model(input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens,
+              max_length_q=max_seqlen, use_cache=False)
+    assert len(validations) == 1
 
     # A direct call with HF's flash-attention keyword arguments (int64 cu_seqlens, as HF's type
     # hint says): validated by the first layer only, once per forward.
@@ -373,6 +378,14 @@ CASES = {
     "model_dropout": ("ValueError", "does not support attention dropout",
                       "dropping = use_packed_attention(transformers.Qwen3ForCausalLM(config(attention_dropout=0.1))); "
                       "packed_forward(dropping.train(), ids, pos, cu, mx)"),
+    "model_sliding_window": ("ValueError", "sliding_window = 2 < max_seqlen = 3",
+                             "windowed = use_packed_attention(transformers.Qwen3ForCausalLM(config("
+                             "use_sliding_window=True, sliding_window=2, max_window_layers=0))); "
+                             "packed_forward(windowed, ids, pos, cu, mx)"),
+    "model_sliding_window_longer": ("NoError", "",
+                                    "windowed = use_packed_attention(transformers.Qwen3ForCausalLM(config("
+                                    "use_sliding_window=True, sliding_window=3, max_window_layers=0))); "
+                                    "packed_forward(windowed, ids, pos, cu, mx)"),
     # validate=False with garbage cu_seqlens: wrong numbers allowed, no crash
     "unvalidated_garbage": ("NoError", "",
                             "packed_forward(model, ids, pos, torch.tensor([0, 9, -4, 2**31 - 1], "

@@ -32,13 +32,6 @@ LONG_LENGTHS = [600]  # one long sequence
 ODD_HEAD_DIM = 59
 FLOOR = 1e-5  # the tiny absolute floor of every tolerance (keeps an fp32 tolerance above 0)
 
-# validate_cu_seqlens (agentrl_fast/ops/_checks.py) takes argmax() of the empty tensor of lengths
-# when B = 0: torch.where evaluates both branches, so cu_seqlens = [0] raises IndexError.
-VALIDATE_B0_BUG = pytest.mark.xfail(
-    strict=True, raises=IndexError,
-    reason="op bug: validate_cu_seqlens raises IndexError (argmax of an empty tensor) for cu_seqlens=[0]")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_cpu_thread():
     """These tests run many tiny matmuls, which one thread does fastest; torch's intra-op pool
@@ -98,18 +91,31 @@ def max_error(got, want) -> float:
     return float((got.detach().to("cpu", torch.float64) - want.detach().to("cpu", torch.float64)).abs().max())
 
 
-def assert_within(name, got, want, baseline, factor, context=""):
-    """``|got - want| <= factor * |baseline - want| + FLOOR`` (max norms), finite, same shape."""
+def rounding_atol(want, dtype) -> float:
+    """flash-attention's ``atol``: twice the rounding error of ``dtype`` at the result's magnitude
+    (shifted by 0.3), the least any implementation that returns ``dtype`` can promise; on tiny
+    cases the baseline can beat its own rounding by luck."""
+    x = want.detach().to(dtype)
+    return 2 * max_error((x + 0.3) - 0.3, x)
+
+
+def assert_within(name, got, want, baseline, factor, context="", magnitude=1.0):
+    """``|got - want| <= factor * |baseline - want| + rounding_atol + FLOOR * magnitude`` (max
+    norms), no NaN, same shape. ``magnitude`` (at least 1) is the largest value of the case's
+    results: fp32's cancellation errors scale with it where the true value is 0 (a one-token
+    sequence's dk, which PyTorch's softmax backward gets exactly)."""
     assert tuple(got.shape) == tuple(want.shape), f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     got64 = got.detach().to("cpu", torch.float64)
     assert not torch.isnan(got64).any(), f"{name}: NaN in the output {context}"
-    error, allowed = max_error(got, want), factor * max_error(baseline, want) + FLOOR
+    baseline_error, atol = max_error(baseline, want), rounding_atol(want, got.dtype)
+    floor = FLOOR * max(1.0, magnitude)
+    error, allowed = max_error(got, want), factor * baseline_error + atol + floor
     assert error <= allowed, (f"{name}: max error {error:.3g} > {factor} x baseline error "
-                              f"{max_error(baseline, want):.3g} + {FLOOR:g} {context}")
+                              f"{baseline_error:.3g} + rounding {atol:.3g} + floor {floor:.3g} {context}")
 
 
 def run_and_compare(q, k, v, cu_seqlens, max_seqlen, *, causal, backend, softmax_scale=None,
-                    check_lse=True, seed=0, **kwargs):
+                    seed=0, **kwargs):
     """Run ``varlen_attention`` forward and backward and compare out, LSE and the gradients of q,
     k, v against the float64 reference, with tolerances scaled by ``attention_in_dtype``'s error."""
     scale = q.shape[2] ** -0.5 if softmax_scale is None else softmax_scale
@@ -132,15 +138,16 @@ def run_and_compare(q, k, v, cu_seqlens, max_seqlen, *, causal, backend, softmax
 
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     out_pt, lse_pt = attention_in_dtype(*leaves, cu_seqlens, causal, scale)
-    grads_pt = torch.autograd.grad(out_pt, leaves, dout, allow_unused=True) if out_pt.numel() else (None,) * 3
+    grads_pt = (torch.autograd.grad(out_pt, leaves, dout, allow_unused=True)
+                if out_pt.requires_grad else (None,) * 3)
     grads_pt = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads_pt)]
 
-    assert_within("out", out, out64, out_pt, 2, context)
-    if check_lse:
-        assert_within("lse", lse, lse64, lse_pt, 2, context)
+    magnitude = max(max_error(x, torch.zeros_like(x)) for x in (out64, *grads64))
+    assert_within("out", out, out64, out_pt, 2, context, magnitude)
+    assert_within("lse", lse, lse64, lse_pt, 2, context)
     for name, got, want, baseline in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64, grads_pt):
         assert got.dtype == q.dtype
-        assert_within(name, got, want, baseline, 3, context)
+        assert_within(name, got, want, baseline, 3, context, magnitude)
     return out, lse, (dq, dk, dv)
 
 
@@ -194,7 +201,8 @@ def _grid_id(case):
 @pytest.mark.parametrize("case", REFERENCE_GRID, ids=_grid_id)
 def test_reference_backend_matches_float64(case):
     lengths, dtype, causal, (hq, hk), head_dim = case
-    q, k, v, cu, max_seqlen = make_inputs(lengths, hq, hk, head_dim, dtype, seed=zlib.crc32(_grid_id(case).encode()))
+    seed = zlib.crc32(_grid_id(case).encode())
+    q, k, v, cu, max_seqlen = make_inputs(lengths, hq, hk, head_dim, dtype, seed=seed)
     run_and_compare(q, k, v, cu, max_seqlen, causal=causal, backend="reference")
 
 
@@ -230,7 +238,7 @@ def test_reference_backend_on_cuda(dtype, head_dim):
     (torch.float32, 64, MIXED_LENGTHS),
     (torch.bfloat16, ODD_HEAD_DIM, MIXED_LENGTHS),
     (torch.float16, 256, [5, 0, 40]),
-    pytest.param(torch.bfloat16, 64, [], marks=VALIDATE_B0_BUG),
+    pytest.param(torch.bfloat16, 64, []),
     (torch.bfloat16, 64, [0, 0]),
 ], ids=["fp32", "odd-D", "D256", "empty-batch", "empty-sequences-only"])
 def test_auto_on_cuda_accepts_every_documented_input(dtype, head_dim, lengths):
@@ -243,12 +251,18 @@ def test_auto_on_cuda_accepts_every_documented_input(dtype, head_dim, lengths):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_packings_match_float64(data):
-    """Hypothesis draws the packing: empty sequences, length 1, a long one among short ones."""
+    """Hypothesis draws the packing: empty sequences, length 1, a long one among short ones.
+
+    Tiny head dims run in fp32 only: in fp16/bf16 the backward's rowsum(dout * out) term reads
+    the output rounded to the dtype (as flash-attention's does), an error that does not shrink
+    with D while the baseline's does, so the 3x rule stops being meaningful below flash-attention's
+    own smallest D (32)."""
     length = st.one_of(st.just(0), st.just(1), st.integers(0, 12), st.integers(0, 150))
     lengths = data.draw(st.lists(length, min_size=1, max_size=8), label="lengths")
     hq, hk = data.draw(st.sampled_from(GQA + [(3, 1), (1, 1)]), label="gqa")
-    head_dim = data.draw(st.sampled_from([1, 8, 17, 64]), label="head_dim")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    head_dims = [1, 2, 8, 17, 64] if dtype == torch.float32 else [32, ODD_HEAD_DIM, 64]
+    head_dim = data.draw(st.sampled_from(head_dims), label="head_dim")
     causal = data.draw(st.booleans(), label="causal")
     scale = data.draw(st.sampled_from([None, 0.05, 1.0]), label="softmax_scale")
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
@@ -400,7 +414,12 @@ def test_lse_values(backend, causal, request):
     assert torch.equal(plain, out)
 
 
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("backend", [
+    pytest.param("reference", id="reference-cpu"),
+    GPU_BACKENDS[0],
+    pytest.param("torch", marks=[pytest.mark.gpu], id="torch-cuda"),
+    GPU_BACKENDS[2],
+])
 def test_lse_is_not_differentiable(backend, request):
     """The LSE does not require grad (so a loss through it fails loudly instead of getting a silently
     wrong gradient), and backward through the output alone gives the same gradients as without
@@ -458,7 +477,7 @@ def test_auto_on_cuda_is_available():
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("lengths,validate", [
-    pytest.param([], True, marks=VALIDATE_B0_BUG, id="cu=[0]"),
+    pytest.param([], True, id="cu=[0]"),
     pytest.param([], False, id="cu=[0]-unvalidated"),
     pytest.param([0, 0], True, id="cu=[0,0,0]"),
 ])

@@ -24,6 +24,12 @@ Validation once per forward, not once per layer: the value checks of ``cu_seqlen
 a ``cu_seqlens`` tensor, which is then remembered as validated (by identity and version, for its
 ``T`` and ``max_seqlen``) so that later layers skip them; ``packed_forward`` validates before the
 forward, so no layer repeats it. The attention op itself always runs with ``validate=False``.
+A ``cu_seqlens`` tensor reused (unmodified) across forwards is checked only the first time.
+
+Costs besides the attention: with ``position_ids`` and no ``attention_mask``, transformers' own
+mask preparation looks for packed sequences in ``position_ids`` (one host sync per forward, no
+``[L, L]`` tensor) before calling our mask function. The per-tensor memo is plain Python, not
+traced by ``torch.compile`` (untested under compile).
 """
 
 from __future__ import annotations

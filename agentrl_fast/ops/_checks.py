@@ -33,13 +33,16 @@ def validate_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: i
     if cu_seqlens.numel() == 0:
         raise ValueError("cu_seqlens must have at least one element (cu_seqlens[0] = 0)")
     cu = cu_seqlens.to(torch.int64)
-    lengths = cu[1:] - cu[:-1]
-    probes = torch.stack([
-        cu[0], cu[-1],
-        torch.where((lengths < 0).any(), (lengths < 0).to(torch.uint8).argmax(), -1),
-        lengths.max() if lengths.numel() else torch.zeros((), dtype=torch.int64, device=cu.device),
-    ]).tolist()
-    first, last, decreasing_at, longest = probes
+    if cu.numel() == 1:  # no sequences
+        first, last, decreasing_at, longest = int(cu[0]), int(cu[0]), -1, 0
+    else:
+        lengths = cu[1:] - cu[:-1]
+        probes = torch.stack([
+            cu[0], cu[-1],
+            torch.where((lengths < 0).any(), (lengths < 0).to(torch.uint8).argmax(), -1),
+            lengths.max(),
+        ]).tolist()
+        first, last, decreasing_at, longest = probes
     if first != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {first}")
     if decreasing_at >= 0:

@@ -54,6 +54,9 @@ class Backend:
     forward: Callable | None = None
     backward: Callable | None = None
     run: Callable | None = None
+    # unsupported(q, k) -> str | None: why these inputs (dtype, head_dim, ...) are out of the
+    # backend's reach; "auto" skips such backends, an explicit choice raises with the reason.
+    unsupported: Callable[[torch.Tensor, torch.Tensor], str | None] = lambda q, k: None
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -74,14 +77,24 @@ def available_backends(device: torch.device | str) -> list[str]:
     return [name for name, b in BACKENDS.items() if b.unavailable(device) is None]
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend ``varlen_attention`` would use for ``backend`` on ``device``."""
+def resolve_backend(backend: str, device: torch.device, q: torch.Tensor | None = None,
+                    k: torch.Tensor | None = None) -> str:
+    """The backend ``varlen_attention`` would use for ``backend`` on ``device`` (and, when
+    given, for inputs like ``q`` and ``k``)."""
+
+    def why_not(name: str) -> str | None:
+        chosen = BACKENDS[name]
+        reason = chosen.unavailable(device)
+        if reason is None and q is not None:
+            reason = chosen.unsupported(q, k)
+        return reason
+
     if backend == "auto":
         order = AUTO_ORDER.get(device.type, ("reference",))
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
             order = ("triton",) + tuple(order)  # how the tests run Triton kernels on the CPU
         for name in order:
-            if name in BACKENDS and BACKENDS[name].unavailable(device) is None:
+            if name in BACKENDS and why_not(name) is None:
                 return name
         raise ValueError(f"no varlen_attention backend is available on {device}")
     if backend not in BACKENDS:
@@ -89,7 +102,21 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     reason = BACKENDS[backend].unavailable(device)
     if reason is not None:
         raise ValueError(f"backend {backend!r} is not available on {device}: {reason}")
+    reason = why_not(backend)
+    if reason is not None:
+        raise ValueError(f"backend {backend!r} cannot take these inputs: {reason}")
     return backend
+
+
+def _flash_kernel_unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """What flash-attention kernels (torch's varlen, flash-attn) do not take."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"its flash kernels take float16/bfloat16 only, got {q.dtype}"
+    if q.shape[2] % 8 != 0:
+        return f"its flash kernels need head_dim % 8 == 0, got {q.shape[2]}"
+    if q.shape[0] == 0:
+        return "its flash kernels need at least one token"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,13 +238,14 @@ def _torch_run(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic, ne
     if need_lse and hasattr(varlen, "AuxRequest"):
         out, lse = varlen.varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                       return_aux=varlen.AuxRequest(lse=True), **kwargs)
-        return out, lse.float()
+        return out, lse.detach().float()  # the LSE is not differentiable (its grad is dropped)
     if need_lse:
         raise ValueError("this torch's varlen_attn cannot return the LSE; use another backend")
     return varlen.varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs), None
 
 
-register_backend(Backend("torch", "autograd", _torch_unavailable, run=_torch_run))
+register_backend(Backend("torch", "autograd", _torch_unavailable, run=_torch_run,
+                         unsupported=_flash_kernel_unsupported))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,11 +267,12 @@ def _flash_attn_run(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministi
                                     return_attn_probs=need_lse)
     if need_lse:
         out, lse = result[0], result[1]
-        return out, lse.float()
+        return out, lse.detach().float()  # the LSE is not differentiable (its grad is dropped)
     return result, None
 
 
-register_backend(Backend("flash_attn", "autograd", _flash_attn_unavailable, run=_flash_attn_run))
+register_backend(Backend("flash_attn", "autograd", _flash_attn_unavailable, run=_flash_attn_run,
+                         unsupported=_flash_kernel_unsupported))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,10 +405,14 @@ def varlen_attention(
     scale = q.shape[2] ** -0.5 if softmax_scale is None else require_real("softmax_scale", softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite, got {scale}")
-    name = resolve_backend(backend, q.device)
+    name = resolve_backend(backend, q.device, q, k)
+    chosen = BACKENDS[name]
     if validate:
         cu_seqlens = validate_cu_seqlens(cu_seqlens, q.shape[0], max_seqlen)
-    chosen = BACKENDS[name]
+    elif chosen.kind == "autograd":
+        # Other libraries' kernels do not clamp cu_seqlens: make unvalidated input in range and
+        # non-decreasing on the device (no sync), so it can give wrong numbers but never a crash.
+        cu_seqlens = torch.cummax(cu_seqlens.clamp(0, q.shape[0]), dim=0).values.to(torch.int32)
     if chosen.kind == "op":
         out, lse = _attention_forward(q, k, v, cu_seqlens, max_seqlen, bool(causal), scale,
                                       bool(deterministic), name)
