@@ -7,10 +7,10 @@ child. ``validate=False`` with garbage ``cu_seqlens`` must not crash: outputs ma
 anything there.
 """
 
-import json
 import textwrap
 
 import pytest
+from error_cases import assert_clean_exit, assert_outcome, run_cases
 
 PRELUDE = textwrap.dedent("""
     import json, math, sys
@@ -203,62 +203,14 @@ CASES = {
 }
 
 
-def _runner(names):
-    """The child's code: the prelude, then each case, printing one JSON line per case."""
-    lines = [PRELUDE, "def _report(name, kind, message):",
-             "    print(json.dumps({'name': name, 'type': kind, 'message': message}), flush=True)"]
-    for name in names:
-        statement = CASES[name][2]
-        lines += [
-            "try:",
-            textwrap.indent(statement.replace("; ", "\n"), "    "),
-            f"    _report({name!r}, 'NoError', '')",
-            "except Exception as error:",
-            f"    _report({name!r}, type(error).__name__, str(error))",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def _parse(stdout):
-    results = {}
-    for line in stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record["name"]] = record
-    return results
-
-
 @pytest.fixture(scope="module")
 def outcomes(run_in_subprocess):
-    """name -> {"type", "message"} for every case. The cases run in one child; if it dies, the
-    first case that did not report is recorded as the crash ("type": "Crash") and the rest run
-    in a new child, so each crash costs one more child, not one per remaining case."""
-    pending, results = list(CASES), {}
-    while pending:
-        completed = run_in_subprocess(_runner(pending))
-        reported = _parse(completed.stdout)
-        results.update(reported)
-        missing = [name for name in pending if name not in reported]
-        if not missing:
-            break
-        crash = {"type": "Crash",
-                 "message": f"the child died at this case (exit code {completed.returncode}); "
-                            f"stderr:\n{completed.stderr[-4000:]}"}
-        if not results:  # died in the prelude or the baseline: nothing else is meaningful
-            return {name: crash for name in CASES}
-        results[missing[0]] = crash
-        pending = missing[1:]
-    return results
+    return run_cases(run_in_subprocess, PRELUDE, CASES)
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[0] != "NoError"])
 def test_bad_input_raises(name, outcomes):
-    expected_type, fragment, _ = CASES[name]
-    outcome = outcomes[name]
-    assert outcome["type"] == expected_type, (
-        f"{name}: expected {expected_type} containing {fragment!r}, got {outcome['type']}: "
-        f"{outcome['message']}")
-    assert fragment in outcome["message"], f"{name}: {fragment!r} not in {outcome['message']!r}"
+    assert_outcome(name, CASES, outcomes)
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[0] == "NoError"])
@@ -269,14 +221,9 @@ def test_call_returns(name, outcomes):
 
 
 def test_unvalidated_garbage_child_exits_cleanly(run_in_subprocess):
-    """All the validate=False garbage cases in one child, which must exit with status 0 (no crash
-    at exit either, e.g. from a heap overrun detected at free)."""
-    names = [n for n in CASES if n.startswith("unvalidated_")]
-    completed = run_in_subprocess(_runner(names))
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    outcomes = _parse(completed.stdout)
-    assert sorted(outcomes) == sorted(names)
-    assert all(o["type"] == "NoError" for o in outcomes.values()), outcomes
+    """All the validate=False garbage cases in one child, which must exit with status 0."""
+    assert_clean_exit(run_in_subprocess, PRELUDE, CASES,
+                      [n for n in CASES if n.startswith("unvalidated_")])
 
 
 @pytest.mark.gpu

@@ -10,12 +10,12 @@ forward. Plus ``pack``/``unpack`` and the error messages (in a child interpreter
 import copy
 import importlib
 import inspect
-import json
 import textwrap
 
 import pytest
 import torch
 import transformers
+from error_cases import assert_outcome, run_cases
 
 from agentrl_fast.models import (ATTN_NAME, pack, packed_attention_forward, packed_attention_mask,
                                  packed_forward, position_ids_from_cu_seqlens, register_attention,
@@ -393,39 +393,14 @@ CASES = {
 }
 
 
-def _runner(names):
-    lines = [PRELUDE, "def _report(name, kind, message):",
-             "    print(json.dumps({'name': name, 'type': kind, 'message': message}), flush=True)"]
-    for name in names:
-        lines += ["try:", textwrap.indent(CASES[name][2].replace("; ", "\n"), "    "),
-                  f"    _report({name!r}, 'NoError', '')",
-                  "except Exception as error:",
-                  f"    _report({name!r}, type(error).__name__, str(error))"]
-    return "\n".join(lines) + "\n"
-
-
 @pytest.fixture(scope="module")
 def outcomes(run_in_subprocess):
-    """name -> {"type", "message"}; all cases in one child (a crash fails the cases left)."""
-    completed = run_in_subprocess(_runner(list(CASES)))
-    results = {}
-    for line in completed.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record["name"]] = record
-    crash = {"type": "Crash", "message": f"the child died (exit code {completed.returncode}); "
-                                         f"stderr:\n{completed.stderr[-4000:]}"}
-    return {name: results.get(name, crash) for name in CASES}
+    return run_cases(run_in_subprocess, PRELUDE, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input(name, outcomes):
-    expected_type, fragment, _ = CASES[name]
-    outcome = outcomes[name]
-    assert outcome["type"] == expected_type, (
-        f"{name}: expected {expected_type} containing {fragment!r}, got {outcome['type']}: "
-        f"{outcome['message']}")
-    assert fragment in outcome["message"], f"{name}: {fragment!r} not in {outcome['message']!r}"
+    assert_outcome(name, CASES, outcomes)
 
 
 # ---------------------------------------------------------------------------------------------
