@@ -6,8 +6,9 @@
 #   bench/gpu_suite.sh OUT_DIR                      # on the GPU machine
 #   bench/gpu_suite.sh OUT_DIR --device cpu --tiny  # CI's dry run: same stages, tiny sizes
 #
-# Files: summary.txt (one line per stage), env.txt, build.log, tests.log, bench_gae.log,
-# gae.jsonl, bench_varlen_attention.log, varlen_attention.jsonl (benchmark rows). Exit status:
+# Files: summary.txt (one line per stage), env.txt, build.log, tests.log, bench.log (every
+# benchmark's output), rows.jsonl (every benchmark's rows; a benchmark cut off midway leaves its
+# rows in <op>.jsonl). Exit status:
 # non-zero when any stage failed. Each stage's cap is also cut to what is left of SUITE_SECONDS
 # (default 285: with timeout's 10 s kill grace the whole stays under 5 minutes); a stage with
 # under 10 s left is skipped and counts as failed.
@@ -55,9 +56,9 @@ stage() {
   [ "$left" -lt "$cap" ] && cap=$left
   if declare -F "$1" > /dev/null; then
     # A function of this script: timeout runs programs, so run it in a child bash.
-    timeout --kill-after=10 "$cap" bash -c "$1" > "$OUT/$log" 2>&1
+    timeout --kill-after=10 "$cap" bash -c "$1" >> "$OUT/$log" 2>&1
   else
-    timeout --kill-after=10 "$cap" "$@" > "$OUT/$log" 2>&1
+    timeout --kill-after=10 "$cap" "$@" >> "$OUT/$log" 2>&1
   fi
   rc=$?
   local verdict=ok
@@ -101,9 +102,17 @@ export -f env_report build gpu_tests
 stage env 30 env.txt env_report
 stage build 150 build.log build
 stage tests 60 tests.log gpu_tests
-stage bench_gae 90 bench_gae.log "$PYTHON" bench/bench_gae.py --device "$DEVICE" "${TINY[@]}" --out "$OUT"
-stage bench_varlen_attention 60 bench_varlen_attention.log \
-  "$PYTHON" bench/bench_varlen_attention.py --device "$DEVICE" "${TINY[@]}" --out "$OUT"
+# bench_stage OP CAP: runs bench/bench_OP.py; its output goes to bench.log, its rows to rows.jsonl.
+bench_stage() {
+  local op=$1 cap=$2
+  echo "=== bench_$op ===" >> "$OUT/bench.log"
+  stage "bench_$op" "$cap" bench.log "$PYTHON" "bench/bench_$op.py" --device "$DEVICE" "${TINY[@]}" --out "$OUT"
+  if [ -f "$OUT/$op.jsonl" ]; then
+    cat "$OUT/$op.jsonl" >> "$OUT/rows.jsonl" && rm "$OUT/$op.jsonl"
+  fi
+}
+bench_stage gae 90
+bench_stage varlen_attention 60
 
 echo "gpu_suite: $([ $FAILED -eq 0 ] && echo all stages passed || echo SOME STAGES FAILED)" | tee -a "$OUT/summary.txt"
 exit $FAILED

@@ -1,0 +1,16 @@
+"""Interpreter tests: run only with TRITON_INTERPRET=1 (tests/test_triton_kernels.py starts
+them in a child process, one per file)."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ helpers
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise pytest.UsageError("tests/interpret/ needs TRITON_INTERPRET=1 (run them through "
+                                "tests/test_triton_kernels.py)")

@@ -1,0 +1,99 @@
+"""Compile every shipped Triton kernel configuration for sm_90 (H100/H200) ahead of time.
+
+Runs with no GPU and no torch (it imports only triton and ``kernels/``), so it can run under
+any triton version in a side environment: ``python tests/triton_aot.py``. Each module
+``kernels/<op>.py`` that ships kernels defines ``aot_specs()``, yielding dicts
+
+    {"name": str, "fn": <@triton.jit function>, "signature": {arg: "*fp32" | "i32" | ... |
+     "constexpr"}, "constexprs": {arg: value}, "num_warps": int, "num_stages": int}
+
+one per configuration the launcher can pick. For each, this prints one JSON line: name, triton
+version, registers, spill bytes (from the ptxas inside triton's NVIDIA backend, -arch=sm_90a -v),
+shared memory, and whether the PTX uses wgmma. Exit status 1 when a configuration fails to
+compile or spills.
+"""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+
+
+def ptxas_path() -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def load_kernel_modules():
+    """kernels/*.py loaded by path (as the package agentrl_fast.kernels would be, without torch)."""
+    package = "agentrl_fast_kernels_aot"
+    spec = importlib.util.spec_from_file_location(package, KERNELS / "__init__.py",
+                                                  submodule_search_locations=[str(KERNELS)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[package] = module
+    spec.loader.exec_module(module)
+    modules = []
+    for path in sorted(KERNELS.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        name = f"{package}.{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        modules.append(module)
+    return modules
+
+
+def ptxas_report(ptx: str) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        result = subprocess.run([str(ptxas_path()), "-arch=sm_90a", "-v", str(source), "-o",
+                                 str(Path(folder) / "kernel.cubin")], capture_output=True, text=True)
+    text = result.stdout + result.stderr
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", text)]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", text)]
+    return {"ptxas_ok": result.returncode == 0, "registers": max(registers, default=None),
+            "spill_bytes": max(spills, default=0), "ptxas_error": None if result.returncode == 0 else text[-2000:]}
+
+
+def compile_spec(spec: dict) -> dict:
+    row = {"name": spec["name"], "triton": triton.__version__, "num_warps": spec["num_warps"],
+           "num_stages": spec["num_stages"]}
+    try:
+        source = ASTSource(fn=spec["fn"], signature=spec["signature"], constexprs=spec["constexprs"])
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": spec["num_warps"],
+                                           "num_stages": spec["num_stages"]})
+    except Exception as error:  # report every failure, not only the first
+        row.update(ok=False, error=f"{type(error).__name__}: {str(error)[-2000:]}")
+        return row
+    ptx = compiled.asm["ptx"]
+    row.update(ptxas_report(ptx))
+    row.update(shared_bytes=compiled.metadata.shared, wgmma="wgmma" in ptx)
+    row["ok"] = row["ptxas_ok"] and row["spill_bytes"] == 0
+    return row
+
+
+def main() -> int:
+    rows = []
+    for module in load_kernel_modules():
+        for spec in getattr(module, "aot_specs", lambda: [])():
+            rows.append(compile_spec(spec))
+            print(json.dumps(rows[-1]), flush=True)
+    print(json.dumps({"summary": True, "triton": triton.__version__, "configurations": len(rows),
+                      "failed": [r["name"] for r in rows if not r["ok"]]}))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
