@@ -3,7 +3,8 @@
 Every benchmark writes rows with the same fields (Liger-Kernel's convention), one JSON object
 per line, to a file under ``bench/results/`` (or the folder given with ``--out``):
 
-    op, provider, shape, dtype, device, time_ms, tokens_per_s, gbps, tflops, ratio, commit, date
+    op, provider, shape, dtype, device, time_ms, tokens_per_s, gbps, tflops, ratio, peak_gib,
+    commit, date
 
 ``gbps`` (achieved bandwidth, bytes the op must move / time) or ``tflops`` is filled where the
 op is bandwidth- or compute-bound; ``ratio`` is the provider's time over ours (> 1: we are
@@ -37,6 +38,7 @@ class Row:
     gbps: float | None = None
     tflops: float | None = None
     ratio: float | None = None
+    peak_gib: float | None = None  # peak device memory above the inputs (CUDA), where measured
     commit: str = field(default_factory=lambda: git_commit())
     date: str = field(default_factory=lambda: datetime.date.today().isoformat())
 

@@ -111,8 +111,9 @@ bench_stage() {
     cat "$OUT/$op.jsonl" >> "$OUT/rows.jsonl" && rm "$OUT/$op.jsonl"
   fi
 }
-bench_stage gae 90
-bench_stage varlen_attention 60
+bench_stage gae 60
+bench_stage varlen_attention 90
+bench_stage token_logprobs 90
 
 echo "gpu_suite: $([ $FAILED -eq 0 ] && echo all stages passed || echo SOME STAGES FAILED)" | tee -a "$OUT/summary.txt"
 exit $FAILED

@@ -27,6 +27,7 @@ def _shipped_kernel_modules():
     return [p for p in (ROOT / "kernels").glob("*.py") if "def aot_specs" in p.read_text()]
 
 
+@pytest.mark.slow  # minutes on a 2-core machine: every configuration of every kernel, twice
 @pytest.mark.parametrize("python", PYTHONS)
 def test_every_kernel_configuration_compiles_for_sm90_without_spills(python):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

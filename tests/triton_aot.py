@@ -16,6 +16,8 @@ compile or spills.
 
 import importlib.util
 import json
+import multiprocessing
+import os
 import re
 import subprocess
 import sys
@@ -87,11 +89,28 @@ def compile_spec(spec: dict) -> dict:
     return row
 
 
+SPECS: list = []  # filled before the worker processes fork
+
+
+def _compile_index(index: int) -> dict:
+    return compile_spec(SPECS[index])
+
+
 def main() -> int:
-    rows = []
     for module in load_kernel_modules():
-        for spec in getattr(module, "aot_specs", lambda: [])():
-            rows.append(compile_spec(spec))
+        SPECS.extend(getattr(module, "aot_specs", lambda: [])())
+    # Configurations compile independently: one process per core (forked, so the kernels
+    # loaded above are shared).
+    workers = max(1, min(len(SPECS), os.cpu_count() or 1))
+    rows = []
+    if workers > 1:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            for row in pool.imap(_compile_index, range(len(SPECS))):
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    else:
+        for index in range(len(SPECS)):
+            rows.append(_compile_index(index))
             print(json.dumps(rows[-1]), flush=True)
     print(json.dumps({"summary": True, "triton": triton.__version__, "configurations": len(rows),
                       "failed": [r["name"] for r in rows if not r["ok"]]}))

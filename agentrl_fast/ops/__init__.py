@@ -2,6 +2,7 @@
 all of them are in ``agentrl_fast.ops.reference``."""
 
 from agentrl_fast.ops.gae import gae, gae_padded, whiten
+from agentrl_fast.ops.token_logprobs import linear_token_logprobs, token_logprobs
 from agentrl_fast.ops.varlen_attention import varlen_attention
 
-__all__ = ["gae", "gae_padded", "varlen_attention", "whiten"]
+__all__ = ["gae", "gae_padded", "linear_token_logprobs", "token_logprobs", "varlen_attention", "whiten"]

@@ -126,3 +126,51 @@ def varlen_attention_reference(
         return (q64.new_zeros(num_tokens, num_heads_q, v64.shape[2]),
                 q64.new_zeros(num_heads_q, num_tokens))
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+# --- token_logprobs / linear_token_logprobs ------------------------------------------------
+def token_logprobs_reference(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``logp[...]`` (and ``entropy[...]``), float64 on the device of ``logits``.
+
+    ``logits: [..., V]``, ``labels: [...]`` (already aligned with the rows). With
+    ``z = logits / temperature``: ``logp = log_softmax(z)[label]``,
+    ``entropy = -sum_j p_j log p_j`` (terms with ``p_j = 0`` count 0). Rows whose label is
+    ``ignore_index`` give 0 for both (and no gradient).
+    """
+    z = logits.to(torch.float64) / temperature
+    log_probs = torch.log_softmax(z, dim=-1)
+    ignored = labels == ignore_index
+    safe_labels = torch.where(ignored, torch.zeros_like(labels), labels).long()
+    logp = log_probs.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(ignored, torch.zeros_like(logp), logp)
+    if not return_entropy:
+        return logp
+    probs = log_probs.exp()
+    finite = torch.isfinite(log_probs)
+    terms = torch.where(finite, probs * torch.where(finite, log_probs, 0.0), 0.0)
+    entropy = -terms.sum(-1)
+    entropy = torch.where(ignored, torch.zeros_like(entropy), entropy)
+    return logp, entropy
+
+
+def linear_token_logprobs_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The same from ``hidden[T, H]`` and the LM head ``weight[V, H]``: ``logits = hidden @
+    weight.T`` in float64, then ``token_logprobs_reference``."""
+    logits = hidden.to(torch.float64) @ weight.to(torch.float64).T
+    return token_logprobs_reference(logits, labels, temperature=temperature,
+                                    return_entropy=return_entropy, ignore_index=ignore_index)

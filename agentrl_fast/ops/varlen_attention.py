@@ -61,7 +61,7 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {}
 # "auto" takes the first available, per device type.
-AUTO_ORDER = {"cuda": ("flash_attn", "torch", "triton", "reference"), "cpu": ("reference",)}
+AUTO_ORDER = {"cuda": ("triton", "flash_attn", "torch", "reference"), "cpu": ("reference",)}
 
 
 def register_backend(backend: Backend) -> None:
@@ -420,3 +420,15 @@ def varlen_attention(
         out, lse = chosen.run(q, k, v, cu_seqlens, max_seqlen, bool(causal), scale,
                               bool(deterministic), bool(return_lse))
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# The "triton" backend registers itself; a missing or broken triton leaves a backend whose
+# ``unavailable`` says why, instead of an import error.
+
+try:
+    from agentrl_fast.ops import varlen_attention_triton as _triton_backend  # noqa: E402,F401
+except Exception as _error:  # noqa: BLE001
+    _TRITON_IMPORT_ERROR = f"{type(_error).__name__}: {_error}"
+    register_backend(Backend("triton", "op",
+                             lambda device: f"the triton backend failed to import ({_TRITON_IMPORT_ERROR})"))

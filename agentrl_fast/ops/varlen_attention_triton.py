@@ -1,0 +1,214 @@
+"""The ``"triton"`` backend of ``varlen_attention``: launches the kernels of
+``agentrl_fast.kernels.varlen_attention`` (``kernels/varlen_attention.py``).
+
+Importing this module registers ``Backend("triton", "op", ...)``. Its ``forward`` and
+``backward`` write into the preallocated outputs they are given (``out[T, Hq, D]``,
+``lse[Hq, T]`` float32; ``dq``, ``dk``, ``dv``) and allocate only scratch: the tile table and,
+in the backward, ``delta[Hq, T]`` float32.
+
+Scheduling (no host sync): ``tile_table`` turns ``cu_seqlens`` into the list of real
+(sequence, block) tiles on the device, sorted so the longest work comes first: under a causal
+mask a forward tile's work is the number of keys it visits, ``min((block + 1) * BLOCK_M, L)``
+(the last blocks of the longest sequences first), without one it is ``L``; a backward tile
+costs ``~L`` either way (see the kernels' docstring). The grid needs a size known on the host
+without reading ``cu_seqlens``: ``sum_b ceil(L_b / BLOCK) <= T // BLOCK + B`` (each sequence
+wastes less than one block), and at most ``T`` (each tile holds a token). The slots past the
+real count (at most ``B``) are marked ``-1`` and their programs exit at once: a tail of cheap
+programs, instead of a grid of ``B * ceil(max_seqlen / BLOCK)`` with early exits, or a host sync.
+
+Heads: the grid is 1-D, ``slots * heads`` programs, head fastest (program ``p``: tile
+``p // heads``, head ``p % heads``). Putting heads inside the flat index rather than on a second
+grid axis keeps the longest-first order across heads (the GPU starts programs in index order),
+puts the query heads of one KV head side by side (their K/V stay in L2) and avoids the 65535
+limit of the second axis. The backward runs one program per (tile, KV head) and loops over the
+group's query heads inside it, so ``dk``/``dv`` are summed in registers (no atomics): the
+backward is deterministic whatever ``deterministic`` says.
+
+``cu_seqlens`` is sanitized on the device (clamped to ``[0, T]``, made non-decreasing) and
+framed by the gaps before its first and after its last entry, treated as sequences of their
+own: with validated ``cu_seqlens`` these are empty; with unvalidated garbage every token is
+still written (finite values, never a crash or an out-of-range access).
+
+With ``TRITON_INTERPRET=1`` set when this module is imported, the kernels run on CPU tensors
+(how the tests run them); otherwise the backend needs a CUDA device (sm_80 or newer).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from agentrl_fast.ops.varlen_attention import MAX_HEAD_DIM, Backend, register_backend
+
+try:
+    import triton
+    from agentrl_fast.kernels import varlen_attention as kernels
+    _IMPORT_ERROR = None
+except Exception as error:  # noqa: BLE001 - a broken triton must not break the package
+    triton = kernels = None
+    _IMPORT_ERROR = f"{type(error).__name__}: {error}"
+
+# triton reads TRITON_INTERPRET when a kernel is defined, i.e. when kernels/ was imported.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _unavailable(device: torch.device) -> str | None:
+    if _IMPORT_ERROR is not None:
+        return f"triton could not be imported ({_IMPORT_ERROR})"
+    if device.type == "cpu":
+        if INTERPRETED:
+            return None
+        return ("the Triton kernels run on CPU tensors only under the interpreter "
+                "(TRITON_INTERPRET=1 set before agentrl_fast is imported)")
+    if device.type != "cuda":
+        return f"the Triton kernels run on CUDA, got device {device}"
+    if INTERPRETED:
+        return "the kernels were defined under TRITON_INTERPRET=1 (CPU tensors only)"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"the Triton kernels need sm_80 or newer, got compute capability {major}.x"
+    return None
+
+
+def _unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    if q.dtype not in _DTYPE_NAMES:
+        return f"dtype must be float16, bfloat16 or float32, got {q.dtype}"
+    if q.shape[2] > MAX_HEAD_DIM:
+        return f"head_dim must be <= {MAX_HEAD_DIM}, got {q.shape[2]}"
+    return None
+
+
+def tile_slots(num_tokens: int, num_sequences: int, block: int) -> int:
+    """An upper bound, known on the host, of the number of (sequence, block) tiles: each
+    sequence wastes less than one block (``+ num_sequences``, here ``B + 2`` with the gaps),
+    and each tile holds at least one token."""
+    return min(num_tokens // block + num_sequences, num_tokens)
+
+
+def tile_table(cu_seqlens: torch.Tensor, num_tokens: int, block: int, causal: bool,
+               by_length: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The real (sequence, block) tiles of ``block`` tokens, longest work first, built on the
+    device without a host sync.
+
+    Returns ``(bounds[B+3] int32, tile_sequence[S] int32, tile_block[S] int32, S)``: ``bounds``
+    is the sanitized ``cu_seqlens`` framed by ``0`` and ``T`` (sequence ``i`` spans
+    ``bounds[i]:bounds[i+1]``; the first and last are the gaps around ``cu_seqlens``), ``S`` is
+    the host bound ``tile_slots``; slots past the real tiles hold sequence ``-1``. Work per tile:
+    ``L`` when ``by_length`` or not ``causal``, else ``min((block + 1) * BLOCK, L)``.
+    """
+    device = cu_seqlens.device
+    inner = torch.cummax(cu_seqlens.to(torch.int64).clamp(0, num_tokens), dim=0).values
+    edge = inner.new_zeros(1)
+    bounds = torch.cat([edge, inner, edge + num_tokens])
+    lengths = bounds[1:] - bounds[:-1]                                     # [B + 2]
+    num_blocks = (lengths + block - 1) // block
+    ends = torch.cumsum(num_blocks, 0)
+    slots = tile_slots(num_tokens, lengths.numel(), block)
+    slot = torch.arange(slots, device=device, dtype=torch.int64)
+    sequence = torch.searchsorted(ends, slot, right=True).clamp_(max=lengths.numel() - 1)
+    block_index = slot - (ends[sequence] - num_blocks[sequence])
+    length = lengths[sequence]
+    if causal and not by_length:
+        work = torch.minimum((block_index + 1) * block, length)
+    else:
+        work = length
+    valid = slot < ends[-1]
+    work = torch.where(valid, work, -1)
+    order = torch.argsort(work, descending=True, stable=True)
+    tile_sequence = torch.where(valid, sequence, -1)[order].to(torch.int32)
+    tile_block = block_index[order].to(torch.int32)
+    return bounds.to(torch.int32), tile_sequence, tile_block, slots
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernels take any token/head strides but a unit stride on the head dimension."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _device_guard(x: torch.Tensor):
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else _NoGuard()
+
+
+class _NoGuard:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic, out, lse):
+    """Fill ``out[T, Hq, D]`` and ``lse[Hq, T]`` (float32)."""
+    num_tokens, num_heads_q, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    q, k, v = (_rows_contiguous(x) for x in (q, k, v))
+    target = out if out.stride(-1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
+    if lse.stride(-1) != 1:
+        raise ValueError("lse must have a unit stride along its token dimension")
+    dtype = _DTYPE_NAMES[q.dtype]
+    padded = kernels.padded_head_dim(head_dim)
+    config = kernels.forward_config(dtype, head_dim)
+    bounds, tile_sequence, tile_block, slots = tile_table(cu_seqlens, num_tokens,
+                                                          config["BLOCK_M"], causal)
+    grid = (slots * num_heads_q,)
+    with _device_guard(q):
+        kernels.varlen_attention_forward_kernel[grid](
+            q, k, v, target, lse, bounds, tile_sequence, tile_block,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            target.stride(0), target.stride(1), lse.stride(0),
+            num_heads_q, num_heads_q // k.shape[1], head_dim, float(scale), int(bool(causal)),
+            HEAD_DIM=padded, EVEN_D=padded == head_dim, BLOCK_M=config["BLOCK_M"],
+            BLOCK_N=config["BLOCK_N"], IEEE=dtype == "fp32",
+            num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if target is not out:
+        out.copy_(target)
+
+
+def _backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, deterministic,
+              dq, dk, dv):
+    """Fill ``dq``, ``dk``, ``dv`` (deterministic in every mode: no atomics)."""
+    num_tokens, num_heads_q, head_dim = q.shape
+    num_heads_k = k.shape[1]
+    if num_tokens == 0:
+        return
+    dout, q, k, v, out = (_rows_contiguous(x) for x in (dout, q, k, v, out))
+    lse = lse if lse.stride(-1) == 1 else lse.contiguous()
+    targets = [g if g.stride(-1) == 1 else torch.empty_like(g, memory_format=torch.contiguous_format)
+               for g in (dq, dk, dv)]
+    dtype = _DTYPE_NAMES[q.dtype]
+    padded = kernels.padded_head_dim(head_dim)
+    config = kernels.backward_config(dtype, head_dim)
+    delta = torch.empty(num_heads_q, num_tokens, dtype=torch.float32, device=q.device)
+    if lse.stride(0) != delta.stride(0):
+        lse = lse.contiguous()
+    bounds, tile_sequence, tile_block, slots = tile_table(cu_seqlens, num_tokens,
+                                                          config["BLOCK"], causal, by_length=True)
+    with _device_guard(q):
+        block_t = kernels.PREPROCESS_BLOCK_T
+        kernels.varlen_attention_backward_preprocess_kernel[(triton.cdiv(num_tokens, block_t), num_heads_q)](
+            out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+            delta.stride(0), num_tokens, head_dim, BLOCK_T=block_t,
+            BLOCK_D=kernels.PREPROCESS_BLOCK_D, num_warps=4, num_stages=1)
+        dq_t, dk_t, dv_t = targets
+        kernels.varlen_attention_backward_kernel[(slots * num_heads_k,)](
+            q, k, v, dout, lse, delta, dq_t, dk_t, dv_t, bounds, tile_sequence, tile_block,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            dout.stride(0), dout.stride(1), dq_t.stride(0), dq_t.stride(1), dk_t.stride(0),
+            dk_t.stride(1), dv_t.stride(0), dv_t.stride(1), delta.stride(0),
+            num_heads_k, num_heads_q // num_heads_k, head_dim, float(scale), int(bool(causal)),
+            HEAD_DIM=padded, EVEN_D=padded == head_dim, BLOCK=config["BLOCK"],
+            STEP=config["STEP"], IEEE=dtype == "fp32",
+            num_warps=config["num_warps"], num_stages=config["num_stages"])
+    for target, grad in zip(targets, (dq, dk, dv)):
+        if target is not grad:
+            grad.copy_(target)
+
+
+register_backend(Backend("triton", "op", _unavailable, forward=_forward, backward=_backward,
+                         unsupported=_unsupported))
