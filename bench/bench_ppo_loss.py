@@ -23,10 +23,8 @@ Usage (from the repository root)::
 """
 
 import argparse
-import dataclasses
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,12 +40,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CLIP_LOW, CLIP_HIGH, DUAL_CLIP, KL_COEF, ENTROPY_COEF = 0.2, 0.28, 3.0, 0.001, 0.001
 
 
-if "peak_gib" in {f.name for f in dataclasses.fields(common.Row)}:
-    Row = common.Row
-else:  # a bench/common.py without the peak-memory field
-    @dataclass
-    class Row(common.Row):
-        peak_gib: float | None = None
+Row = common.Row
 
 
 def make_inputs(num_tokens: int, device: torch.device, dtype: torch.dtype, seed: int) -> dict:

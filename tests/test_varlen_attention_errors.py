@@ -147,7 +147,7 @@ CASES = {
     "max_seqlen_negative_unvalidated": ("ValueError", "max_seqlen must be >= 0, got -5",
                                         "attn(max_seqlen=-5, validate=False)"),
     # backend
-    "backend_unknown": ("ValueError", "backend must be 'auto' or one of ['flash_attn', 'reference', 'torch'], got 'flash'",
+    "backend_unknown": ("ValueError", "backend must be 'auto' or one of ['flash_attn', 'reference', 'torch', 'triton'], got 'flash'",
                         "attn(backend='flash')"),
     "backend_empty": ("ValueError", "backend must be 'auto' or one of", "attn(backend='')"),
     "backend_torch_on_cpu": ("ValueError", "backend 'torch' is not available on cpu: ", "attn(backend='torch')"),

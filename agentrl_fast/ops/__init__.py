@@ -2,7 +2,11 @@
 all of them are in ``agentrl_fast.ops.reference``."""
 
 from agentrl_fast.ops.gae import gae, gae_padded, whiten
+from agentrl_fast.ops.ppo_loss import loss_weights, ppo_loss, value_loss
 from agentrl_fast.ops.token_logprobs import linear_token_logprobs, token_logprobs
 from agentrl_fast.ops.varlen_attention import varlen_attention
 
-__all__ = ["gae", "gae_padded", "linear_token_logprobs", "token_logprobs", "varlen_attention", "whiten"]
+__all__ = [
+    "gae", "gae_padded", "linear_token_logprobs", "loss_weights", "ppo_loss", "token_logprobs",
+    "value_loss", "varlen_attention", "whiten",
+]

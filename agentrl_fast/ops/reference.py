@@ -4,6 +4,8 @@ They are written for clarity, straight from DESIGN.md, with Python loops where t
 is a loop; none of them shares code with the kernels they check.
 """
 
+import math
+
 import torch
 
 
@@ -174,3 +176,153 @@ def linear_token_logprobs_reference(
     logits = hidden.to(torch.float64) @ weight.to(torch.float64).T
     return token_logprobs_reference(logits, labels, temperature=temperature,
                                     return_entropy=return_entropy, ignore_index=ignore_index)
+
+
+# --- loss_weights / ppo_loss / value_loss ---------------------------------------------------
+def loss_weights_reference(mode: str, action_mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                           rollout_ids: torch.Tensor | None = None, norm_constant: float | None = None,
+                           global_tokens: float | None = None,
+                           global_sequences: float | None = None) -> torch.Tensor:
+    """Per-token weights ``w[T]`` (float64, CPU): 0 on non-action tokens; on action tokens
+
+    - ``token-mean``: ``1 / N_tokens``;  ``token-sum``: ``1``;
+    - ``seq-mean-token-sum``: ``1 / N_seq``;  ``seq-mean-token-mean``: ``1 / (n_seq * N_seq)``;
+    - ``seq-mean-token-sum-norm``: ``1 / (norm_constant * N_seq)``;
+    - ``rollout-mean``: ``1 / (n_rollout * N_rollouts)``, sequences grouped by ``rollout_ids[B]``;
+
+    where ``n_seq`` / ``n_rollout`` count a sequence's / rollout's action tokens and ``N_seq`` /
+    ``N_rollouts`` count sequences / rollouts with at least one action token (overridden by
+    ``global_tokens`` / ``global_sequences``, which for rollout-mean counts rollouts).
+    """
+    mask = [bool(x) for x in action_mask.detach().cpu().tolist()]
+    num_tokens = len(mask)
+    w = [0.0] * num_tokens
+    if mode == "token-sum":
+        return torch.tensor([1.0 if m else 0.0 for m in mask], dtype=torch.float64)
+    if mode == "token-mean":
+        n = sum(mask) if global_tokens is None else float(global_tokens)
+        return torch.tensor([1.0 / n if m else 0.0 for m in mask], dtype=torch.float64)
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    spans = list(zip(cu[:-1], cu[1:]))
+    counts = [sum(mask[s:e]) for s, e in spans]
+    if mode == "rollout-mean":
+        ids = [int(x) for x in rollout_ids.tolist()]
+        per_rollout: dict[int, int] = {}
+        for rid, n in zip(ids, counts):
+            per_rollout[rid] = per_rollout.get(rid, 0) + n
+        units = sum(1 for n in per_rollout.values() if n > 0)
+        units = units if global_sequences is None else float(global_sequences)
+        for (s, e), rid in zip(spans, ids):
+            for t in range(s, e):
+                if mask[t]:
+                    w[t] = 1.0 / (per_rollout[rid] * units)
+        return torch.tensor(w, dtype=torch.float64)
+    units = sum(1 for n in counts if n > 0)
+    units = units if global_sequences is None else float(global_sequences)
+    for (s, e), n in zip(spans, counts):
+        for t in range(s, e):
+            if not mask[t]:
+                continue
+            if mode == "seq-mean-token-sum":
+                w[t] = 1.0 / units
+            elif mode == "seq-mean-token-mean":
+                w[t] = 1.0 / (n * units)
+            elif mode == "seq-mean-token-sum-norm":
+                w[t] = 1.0 / (float(norm_constant) * units)
+            else:
+                raise ValueError(f"unknown mode {mode!r}")
+    return torch.tensor(w, dtype=torch.float64)
+
+
+def _f64(x):
+    return None if x is None else x.to("cpu", torch.float64)
+
+
+def _kl_reference(logp, ref, estimator):
+    if estimator == "k1":
+        return logp - ref
+    if estimator == "k2":
+        return 0.5 * (logp - ref) ** 2
+    log_ratio = torch.clamp(ref - logp, -20.0, 20.0)  # verl's low_var_kl
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
+
+
+def ppo_loss_reference(logprobs, old_logprobs, advantages, action_mask, *, weights, clip_low=0.2,
+                       clip_high=0.2, dual_clip=None, ref_logprobs=None, kl_coef=0.0,
+                       kl_estimator="k3", entropy=None, entropy_coef=0.0, rollout_logprobs=None,
+                       tis_cap=None):
+    """``(loss, metrics)`` in float64: ``loss = sum_t w_t * l_t`` over action tokens, with
+    ``l_t = pg_t * tis_t + kl_coef * KL_t - entropy_coef * entropy_t`` and ``weights`` from
+    ``loss_weights_reference`` (or any token weights). Differentiable in ``logprobs`` and
+    ``entropy`` when they are float64 leaves that require grad. Metrics are plain means over
+    action tokens (``ratio_max`` a max)."""
+    logp, old, adv = _f64(logprobs), _f64(old_logprobs), _f64(advantages)
+    mask = action_mask.cpu().bool()
+    w = _f64(weights)
+    total = logp.new_zeros(())
+    n = int(mask.sum())
+    sums = {k: 0.0 for k in ("clip_upper", "clip_lower", "clip_dual", "approx_kl", "ratio", "kl",
+                              "entropy", "pg", "kl_loss", "entropy_loss")}
+    ratio_max = 0.0
+    for t in torch.nonzero(mask).flatten().tolist():
+        ratio = torch.exp(torch.clamp(logp[t] - old[t], -20.0, 20.0))
+        clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        pg = torch.maximum(-adv[t] * ratio, -adv[t] * clipped)
+        r, a = float(ratio.detach()), float(adv[t])
+        sums["clip_upper"] += float(a > 0 and r > 1.0 + clip_high)
+        sums["clip_lower"] += float(a < 0 and r < 1.0 - clip_low)
+        if dual_clip is not None and a < 0:
+            sums["clip_dual"] += float(-a * dual_clip < float(pg.detach()))
+            pg = torch.minimum(pg, -adv[t] * dual_clip)
+        if rollout_logprobs is not None:
+            tis = min(math.exp(min(float(old[t]) - float(rollout_logprobs[t]), 20.0)), tis_cap)
+            pg = pg * tis
+        term = pg
+        sums["pg"] += float(w[t] * pg.detach())
+        if ref_logprobs is not None:
+            kl = _kl_reference(logp[t], _f64(ref_logprobs)[t], kl_estimator)
+            term = term + kl_coef * kl
+            sums["kl"] += float(kl.detach())
+            sums["kl_loss"] += float(w[t] * kl.detach())
+        if entropy is not None:
+            ent = _f64(entropy)[t]
+            term = term - entropy_coef * ent
+            sums["entropy"] += float(ent.detach())
+            sums["entropy_loss"] += float(w[t] * ent.detach())
+        total = total + w[t] * term
+        sums["approx_kl"] += float(old[t] - logp[t].detach())
+        sums["ratio"] += r
+        ratio_max = max(ratio_max, r)
+    d = max(n, 1)
+    metrics = {
+        "pg_loss": sums["pg"], "kl_loss": sums["kl_loss"], "entropy_loss": sums["entropy_loss"],
+        "pg_clipfrac_upper": sums["clip_upper"] / d, "pg_clipfrac_lower": sums["clip_lower"] / d,
+        "pg_clipfrac_dual": sums["clip_dual"] / d, "approx_kl": sums["approx_kl"] / d,
+        "ratio_mean": sums["ratio"] / d, "ratio_max": ratio_max, "kl_mean": sums["kl"] / d,
+        "entropy_mean": sums["entropy"] / d, "action_tokens": float(n),
+    }
+    return total, {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}
+
+
+def value_loss_reference(values, old_values, returns, action_mask, *, weights, clip=None):
+    """``(loss, metrics)`` in float64: ``sum_t w_t * 0.5 * max((v - R)^2, (clip(v, v_old - clip,
+    v_old + clip) - R)^2)`` over action tokens (no clipping when ``clip`` is None);
+    ``vf_clipfrac``: fraction of action tokens whose clipped term is the larger."""
+    v, old, ret = _f64(values), _f64(old_values), _f64(returns)
+    mask = action_mask.cpu().bool()
+    w = _f64(weights)
+    total = v.new_zeros(())
+    n = int(mask.sum())
+    clipped_count, err = 0.0, 0.0
+    for t in torch.nonzero(mask).flatten().tolist():
+        loss = (v[t] - ret[t]) ** 2
+        if clip is not None:
+            vc = torch.clamp(v[t], float(old[t]) - clip, float(old[t]) + clip)
+            loss2 = (vc - ret[t]) ** 2
+            clipped_count += float(float(loss2.detach()) > float(loss.detach()))
+            loss = torch.maximum(loss, loss2)
+        total = total + w[t] * 0.5 * loss
+        err += float((v[t].detach() - ret[t]) ** 2)
+    d = max(n, 1)
+    metrics = {"vf_clipfrac": clipped_count / d, "vf_mse": err / d, "action_tokens": float(n)}
+    return total, {k: torch.tensor(v_, dtype=torch.float64) for k, v_ in metrics.items()}
