@@ -2,7 +2,7 @@
 process's triton and each Python of ``AGENTRL_FAST_TRITON_PYTHONS`` (CI: triton 3.6 in a side
 environment without torch): the bf16 forward's PTX uses ``wgmma`` (Hopper's matrix path), and
 the bf16/fp16 forwards at D = 64 and 128 use no spill. (``tests/test_triton_kernels.py``
-compiles every configuration; the compile report is ``bench/results/varlen_attention_compile.md``.)
+compiles every configuration; the compile report is ``bench/results/triton_compile.md`` (``python bench/triton_compile_report.py``).)
 """
 
 import json
