@@ -198,12 +198,18 @@ def _grid_id(case):
     return f"{kind}-{str(dtype)[6:]}-{'causal' if causal else 'full'}-gqa{hq}:{hk}-D{head_dim}"
 
 
-@pytest.mark.parametrize("case", REFERENCE_GRID, ids=_grid_id)
-def test_reference_backend_matches_float64(case):
+def check_grid_case(case, backend):
+    """One grid case on the CPU (seeded from its id) against the float64 reference; shared with
+    the Triton interpreter tests."""
     lengths, dtype, causal, (hq, hk), head_dim = case
     seed = zlib.crc32(_grid_id(case).encode())
     q, k, v, cu, max_seqlen = make_inputs(lengths, hq, hk, head_dim, dtype, seed=seed)
-    run_and_compare(q, k, v, cu, max_seqlen, causal=causal, backend="reference")
+    run_and_compare(q, k, v, cu, max_seqlen, causal=causal, backend=backend)
+
+
+@pytest.mark.parametrize("case", REFERENCE_GRID, ids=_grid_id)
+def test_reference_backend_matches_float64(case):
+    check_grid_case(case, "reference")
 
 
 GPU_GRID = (

@@ -17,14 +17,6 @@ from test_varlen_attention import (DTYPES, assert_within, attention_in_dtype, cu
                                    make_inputs, run_and_compare)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_backend_is_available_and_auto_picks_it_on_cpu_under_the_interpreter():
     assert BACKENDS["triton"].kind == "op"
     assert "triton" in available_backends("cpu")

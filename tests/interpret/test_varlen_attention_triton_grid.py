@@ -5,29 +5,15 @@ reference, with flash-attention's tolerance (2x forward / 3x backward the error 
 math done by PyTorch in the input dtype). D = 128, an odd D and the long sequence are in
 ``test_varlen_attention_triton_grid_wide.py`` (each file stays under a minute)."""
 
-import zlib
 
 import pytest
-import torch
 
-from test_varlen_attention import (DTYPES, GQA, MIXED_LENGTHS, _grid_id, make_inputs,
-                                   run_and_compare)
+from test_varlen_attention import DTYPES, GQA, MIXED_LENGTHS, _grid_id, check_grid_case
 
 GRID = [(MIXED_LENGTHS, dtype, causal, gqa, 64)
         for dtype in DTYPES for causal in (True, False) for gqa in GQA]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("case", GRID, ids=_grid_id)
 def test_triton_backend_matches_float64(case):
-    lengths, dtype, causal, (hq, hk), head_dim = case
-    seed = zlib.crc32(_grid_id(case).encode())
-    q, k, v, cu, max_seqlen = make_inputs(lengths, hq, hk, head_dim, dtype, seed=seed)
-    run_and_compare(q, k, v, cu, max_seqlen, causal=causal, backend="triton")
+    check_grid_case(case, "triton")

@@ -3,30 +3,19 @@ tiles, the unmasked interior blocks, the longest-first tile order), every dtype 
 GQA 2:1, forward, LSE and backward against the float64 reference with flash-attention's
 tolerance; and a long sequence among short ones with a 256 head dim (the widest padding)."""
 
-import zlib
 
 import pytest
 import torch
 
-from test_varlen_attention import DTYPES, LONG_LENGTHS, _grid_id, make_inputs, run_and_compare
+from test_varlen_attention import (DTYPES, LONG_LENGTHS, _grid_id, check_grid_case, make_inputs,
+                                   run_and_compare)
 
 GRID = [(LONG_LENGTHS, dtype, causal, (2, 1), 64) for dtype in DTYPES for causal in (True, False)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("case", GRID, ids=_grid_id)
 def test_triton_backend_matches_float64(case):
-    lengths, dtype, causal, (hq, hk), head_dim = case
-    seed = zlib.crc32(_grid_id(case).encode())
-    q, k, v, cu, max_seqlen = make_inputs(lengths, hq, hk, head_dim, dtype, seed=seed)
-    run_and_compare(q, k, v, cu, max_seqlen, causal=causal, backend="triton")
+    check_grid_case(case, "triton")
 
 
 @pytest.mark.parametrize("head_dim", [256, 200])

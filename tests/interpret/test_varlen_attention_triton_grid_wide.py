@@ -3,29 +3,15 @@
 LSE and backward against the float64 reference with flash-attention's tolerance. The long
 sequence is in ``test_varlen_attention_triton_grid_long.py``."""
 
-import zlib
 
 import pytest
-import torch
 
-from test_varlen_attention import (DTYPES, MIXED_LENGTHS, ODD_HEAD_DIM, _grid_id, make_inputs,
-                                   run_and_compare)
+from test_varlen_attention import (DTYPES, MIXED_LENGTHS, ODD_HEAD_DIM, _grid_id, check_grid_case)
 
 GRID = [(MIXED_LENGTHS, dtype, causal, (4, 2), head_dim)
         for head_dim in (128, ODD_HEAD_DIM) for dtype in DTYPES for causal in (True, False)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("case", GRID, ids=_grid_id)
 def test_triton_backend_matches_float64(case):
-    lengths, dtype, causal, (hq, hk), head_dim = case
-    seed = zlib.crc32(_grid_id(case).encode())
-    q, k, v, cu, max_seqlen = make_inputs(lengths, hq, hk, head_dim, dtype, seed=seed)
-    run_and_compare(q, k, v, cu, max_seqlen, causal=causal, backend="triton")
+    check_grid_case(case, "triton")
