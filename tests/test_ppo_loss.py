@@ -382,11 +382,11 @@ def run_value(batch, mode=None, clip=None, token_weights=None, backend=BACKEND, 
     return loss.detach(), metrics, grad
 
 
-@pytest.mark.parametrize("clip", [None, 0.2])
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_value_loss_matches_reference(mode, clip):
+def check_value_loss(mode, clip, backend=BACKEND):
+    """value_loss against the float64 reference: loss, gradient, metrics, zero gradient on
+    non-action tokens. Shared with the Triton interpreter tests; returns the metrics."""
     batch = make_batch(LENGTHS, 11, masked_sequences=(0,))
-    loss, metrics, grad = run_value(batch, mode, clip)
+    loss, metrics, grad = run_value(batch, mode, clip, backend=backend)
     weights = reference_weights(mode, batch)
     values = batch["values"].double().requires_grad_()
     ref_loss, ref_metrics = value_loss_reference(values, batch["old_values"], batch["returns"],
@@ -397,6 +397,13 @@ def test_value_loss_matches_reference(mode, clip):
     for name, want in ref_metrics.items():
         assert_close(name, metrics[name], want, abs(float(want)), torch.float32)
     assert (grad[~batch["action_mask"]] == 0).all()
+    return metrics
+
+
+@pytest.mark.parametrize("clip", [None, 0.2])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_value_loss_matches_reference(mode, clip):
+    metrics = check_value_loss(mode, clip)
     if clip is not None:
         assert 0 < float(metrics["vf_clipfrac"]) < 1
 

@@ -349,10 +349,11 @@ def test_causal_no_leak_from_later_tokens(backend, request):
 # ---------------------------------------------------------------------------------------------
 # The reference backend's kernels write every element of preallocated (poisoned) outputs.
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("causal", [True, False])
-def test_reference_kernels_overwrite_poisoned_outputs(dtype, causal):
-    backend = BACKENDS["reference"]
+def check_kernels_overwrite_poisoned_outputs(backend_name, dtype, causal):
+    """A backend's forward/backward called directly on NaN-filled out, lse, dq, dk, dv: every
+    element is written and matches the float64 reference (flash-attention's tolerance).
+    Shared with the Triton interpreter tests; returns the inputs and outputs."""
+    backend = BACKENDS[backend_name]
     lengths = [0, 1, 7, 113, 0, 30]
     q, k, v, cu, max_seqlen = make_inputs(lengths, 4, 2, 32, dtype, seed=11, requires_grad=False)
     scale = 32 ** -0.5
@@ -375,7 +376,14 @@ def test_reference_kernels_overwrite_poisoned_outputs(dtype, causal):
     assert_within("lse", lse, lse64, lse_pt, 2)
     for name, got, want, baseline in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64, grads_pt):
         assert_within(name, got, want, baseline, 3)
+    return q, k, v, cu, max_seqlen, dout, out, lse, dq, dk, dv
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_kernels_overwrite_poisoned_outputs(dtype, causal):
+    q, k, v, cu, max_seqlen, dout, out, lse, dq, dk, dv = check_kernels_overwrite_poisoned_outputs(
+        "reference", dtype, causal)
     # the public function runs these very kernels: same bits
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     public_out, public_lse = varlen_attention(*leaves, cu, max_seqlen, causal=causal, return_lse=True)

@@ -580,6 +580,20 @@ def _check_common(name0, x0, action_mask, cu_seqlens, rollout_ids, token_weights
             _check_count("global_sequences", global_sequences))
 
 
+def _aggregation_for_backend(backend, device, input_dtype, mode, action_mask, cu_seqlens,
+                             rollout_ids, token_weights, global_tokens, global_sequences,
+                             norm_constant, validate):
+    """The backend choice and the loss aggregation shared by ``ppo_loss`` and ``value_loss``:
+    ``(triton, weights, token_mean, count_override, scale)``; ``scale`` only for the torch path."""
+    triton = _resolve_backend(backend, device) == "triton"
+    compute_dtype = torch.float64 if input_dtype == torch.float64 else torch.float32
+    weights, token_mean, count_override = _aggregation(
+        mode, action_mask, cu_seqlens, rollout_ids, token_weights, global_tokens, global_sequences,
+        norm_constant, validate, triton, compute_dtype)
+    scale = None if triton else _torch_scale(token_mean, count_override, action_mask, compute_dtype)
+    return triton, weights, token_mean, count_override, scale
+
+
 def ppo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -681,14 +695,10 @@ def ppo_loss(
             raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
     elif tis_cap is not None:
         tis_cap = require_real("tis_cap", tis_cap)
-    name = _resolve_backend(backend, device)
-    triton = name == "triton"
-    weights, token_mean, count_override = _aggregation(
-        mode, action_mask, cu_seqlens, rollout_ids, token_weights, global_tokens, global_sequences,
-        norm_constant, validate, triton, logprobs.dtype if logprobs.dtype == torch.float64 else torch.float32)
+    triton, weights, token_mean, count_override, scale = _aggregation_for_backend(
+        backend, device, logprobs.dtype, mode, action_mask, cu_seqlens, rollout_ids, token_weights,
+        global_tokens, global_sequences, norm_constant, validate)
     if not triton:
-        dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
-        scale = _torch_scale(token_mean, count_override, action_mask, dtype)
         params = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
                       ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator,
                       entropy=entropy, entropy_coef=entropy_coef, rollout_logprobs=rollout_logprobs,
@@ -755,14 +765,10 @@ def value_loss(
         clip = require_real("clip", clip)
         if not (clip > 0 and math.isfinite(clip)):
             raise ValueError(f"clip must be None or a finite value > 0 (e.g. 0.2), got {clip}")
-    name = _resolve_backend(backend, device)
-    triton = name == "triton"
-    weights, token_mean, count_override = _aggregation(
-        mode, action_mask, cu_seqlens, rollout_ids, token_weights, global_tokens, global_sequences,
-        norm_constant, validate, triton, values.dtype if values.dtype == torch.float64 else torch.float32)
+    triton, weights, token_mean, count_override, scale = _aggregation_for_backend(
+        backend, device, values.dtype, mode, action_mask, cu_seqlens, rollout_ids, token_weights,
+        global_tokens, global_sequences, norm_constant, validate)
     if not triton:
-        dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
-        scale = _torch_scale(token_mean, count_override, action_mask, dtype)
         return _value_loss_torch(values, old_values, returns, action_mask, weights, scale, clip)
 
     def prepared(x, dtypes=TRITON_DTYPES):

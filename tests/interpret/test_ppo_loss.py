@@ -15,7 +15,6 @@ import sys
 import agentrl_fast.ops.ppo_loss  # noqa: F401  (the module, not the function of that name)
 
 module = sys.modules["agentrl_fast.ops.ppo_loss"]
-from agentrl_fast.ops.reference import value_loss_reference
 from agentrl_fast.ops.ppo_loss import LOSS_AGG_MODES, loss_weights
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -98,18 +97,7 @@ def test_triton_micro_batches_accumulate_to_full_batch(mode):
 @pytest.mark.parametrize("clip", [None, 0.2])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "rollout-mean"])
 def test_triton_value_loss_matches_reference(mode, clip):
-    batch = make_batch(LENGTHS, 11, masked_sequences=(0,))
-    loss, metrics, grad = run_value(batch, mode, clip, backend=BACKEND)
-    weights = reference_weights(mode, batch)
-    values = batch["values"].double().requires_grad_()
-    ref_loss, ref_metrics = value_loss_reference(values, batch["old_values"], batch["returns"],
-                                                 batch["action_mask"], weights=weights, clip=clip)
-    (ref_grad,) = torch.autograd.grad(ref_loss, values)
-    assert_close("loss", loss, ref_loss.detach(), float(ref_loss.detach().abs()) + 1, torch.float32)
-    assert_close("dvalues", grad, ref_grad, float(weights.max()) * 10, torch.float32)
-    for name, want in ref_metrics.items():
-        assert_close(name, metrics[name], want, abs(float(want)), torch.float32)
-    assert (grad[~batch["action_mask"]] == 0).all()
+    _cpu.check_value_loss(mode, clip, backend=BACKEND)
 
 
 def test_launchers_write_every_element_of_poisoned_outputs():

@@ -4,16 +4,14 @@ the tile table covers exactly the real tiles longest first, "auto" picks it, gar
 unvalidated ``cu_seqlens`` never crash it, and the usual layout edge cases. The accuracy grid
 is in ``test_varlen_attention_triton_grid*.py``."""
 
-import math
 
 import pytest
 import torch
 
 from agentrl_fast.ops import varlen_attention
-from agentrl_fast.ops.reference import varlen_attention_reference
 from agentrl_fast.ops.varlen_attention import BACKENDS, available_backends, resolve_backend
 from agentrl_fast.ops.varlen_attention_triton import tile_slots, tile_table
-from test_varlen_attention import (DTYPES, assert_within, attention_in_dtype, cu_seqlens_of,
+from test_varlen_attention import (DTYPES, check_kernels_overwrite_poisoned_outputs, cu_seqlens_of,
                                    make_inputs, run_and_compare)
 
 
@@ -32,28 +30,7 @@ def test_backend_is_available_and_auto_picks_it_on_cpu_under_the_interpreter():
 def test_kernels_overwrite_poisoned_outputs(dtype, causal):
     """forward/backward called directly on NaN-filled out, lse, dq, dk, dv: every element is
     written, and the values match the float64 reference."""
-    backend = BACKENDS["triton"]
-    lengths = [0, 1, 7, 113, 0, 30]
-    q, k, v, cu, max_seqlen = make_inputs(lengths, 4, 2, 32, dtype, seed=11, requires_grad=False)
-    scale = 32 ** -0.5
-    out = torch.full_like(q, math.nan)
-    lse = torch.full((q.shape[1], q.shape[0]), math.nan)
-    backend.forward(q, k, v, cu, max_seqlen, causal, scale, False, out, lse)
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(dtype)
-    dq, dk, dv = (torch.full_like(x, math.nan) for x in (q, k, v))
-    backend.backward(dout, q, k, v, out, lse, cu, max_seqlen, causal, scale, False, dq, dk, dv)
-    for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
-        assert torch.isfinite(x).all(), f"{name}: elements left unwritten (NaN) or non-finite"
-    leaves64 = [x.to(torch.float64).requires_grad_() for x in (q, k, v)]
-    out64, lse64 = varlen_attention_reference(*leaves64, cu, causal=causal)
-    grads64 = torch.autograd.grad(out64, leaves64, dout.double())
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out_pt, lse_pt = attention_in_dtype(*leaves, cu, causal, scale)
-    grads_pt = torch.autograd.grad(out_pt, leaves, dout)
-    assert_within("out", out, out64, out_pt, 2)
-    assert_within("lse", lse, lse64, lse_pt, 2)
-    for name, got, want, baseline in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64, grads_pt):
-        assert_within(name, got, want, baseline, 3)
+    check_kernels_overwrite_poisoned_outputs("triton", dtype, causal)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
