@@ -1,0 +1,303 @@
+"""Tools the model calls: ``@tool`` functions, their JSON schemas, and a registry that runs calls.
+
+A tool is a Python function (sync or async) with type hints and a Google-style docstring; its
+JSON schema comes from ``transformers.utils.get_json_schema`` (the schema HF chat templates
+render, so a tool looks the same here as in ``apply_chat_template``). The registry validates a
+call's arguments against that schema with ``jsonschema`` and runs the calls of one turn
+concurrently, each under a timeout. Nothing the model writes can stop an episode: every failure
+becomes a :class:`ToolResult` whose ``content`` is an error message the model reads in its
+``<tool_response>``, and whose ``error`` names the failure kind (counted in
+``ToolRegistry.metrics``).
+
+Failure kinds (``FAILURE_KINDS``):
+
+- ``parse_error``: the ``<tool_call>`` block was not a call (bad JSON, no name, ...);
+- ``unknown_tool``: no tool has that name;
+- ``missing_argument`` / ``unexpected_argument`` / ``wrong_type`` / ``invalid_argument``: the
+  arguments do not match the schema (a required one is missing, one is not in the schema, one
+  has the wrong JSON type, or another constraint such as an enum fails);
+- ``tool_exception``: the tool raised;
+- ``timeout``: the tool ran past its timeout. An async tool is cancelled; a sync tool runs in a
+  worker thread, which Python cannot stop: its result is discarded when it finally returns. A
+  tool that can run away (code execution) belongs in a subprocess (:mod:`.sandbox`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import functools
+import inspect
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import jsonschema
+
+from agentrl_fast.harness.tool_calls import ToolCall
+
+FAILURE_KINDS = ("parse_error", "unknown_tool", "missing_argument", "unexpected_argument",
+                 "wrong_type", "invalid_argument", "tool_exception", "timeout")
+
+# jsonschema's failing keyword -> failure kind (anything else is "invalid_argument").
+_KIND_OF_KEYWORD = {"required": "missing_argument", "additionalProperties": "unexpected_argument",
+                    "type": "wrong_type"}
+_KIND_PRIORITY = {"missing_argument": 0, "unexpected_argument": 1, "wrong_type": 2,
+                  "invalid_argument": 3}
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model can call. Build one with :func:`tool`; calling it calls ``fn``.
+
+    ``parameters`` is the JSON schema (an ``object``) of the arguments; ``timeout`` in seconds
+    (``None``: the registry's default).
+    """
+
+    name: str
+    description: str
+    parameters: dict
+    fn: Callable[..., Any]
+    timeout: float | None = None
+    returns: dict | None = None
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
+
+    @property
+    def schema(self) -> dict:
+        """``{"type": "function", "function": {...}}``: what ``render_messages(tools=...)`` takes."""
+        function = {"name": self.name, "description": self.description,
+                    "parameters": self.parameters}
+        if self.returns is not None:
+            function["return"] = self.returns
+        return {"type": "function", "function": function}
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def tool(fn: Callable | None = None, *, name: str | None = None, description: str | None = None,
+         timeout: float | None = None):
+    """Turn a typed, documented function into a :class:`Tool` (usable bare or with options).
+
+    ::
+
+        @tool
+        def add(a: int, b: int = 0) -> int:
+            \"\"\"Add two integers.
+
+            Args:
+                a: The first number.
+                b: The second number.
+            \"\"\"
+            return a + b
+
+        @tool(name="search", timeout=2.0)
+        async def web_search(query: str) -> str: ...
+
+    Every argument needs a type hint and a line under ``Args:``; otherwise a ``TypeError``
+    names the function and the argument. ``timeout`` (seconds) overrides the registry default.
+    """
+    if fn is None:
+        return functools.partial(tool, name=name, description=description, timeout=timeout)
+    if isinstance(fn, Tool):
+        raise TypeError(f"tool: {fn.name!r} is already a Tool")
+    if not callable(fn):
+        raise TypeError(f"tool: expected a function, got {type(fn).__name__}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"tool: timeout must be > 0 seconds, got {timeout!r}")
+    from transformers.utils import get_json_schema
+    try:
+        schema = get_json_schema(fn)["function"]
+    except Exception as error:  # transformers raises its own exception types
+        raise TypeError(f"tool: cannot build a JSON schema for {getattr(fn, '__name__', fn)!r}: "
+                        f"{error}. Give every argument a type hint and a description under "
+                        "'Args:' in a Google-style docstring.") from None
+    tool_name = name or schema["name"]
+    if not isinstance(tool_name, str) or not tool_name:
+        raise ValueError(f"tool: name must be a non-empty string, got {tool_name!r}")
+    return Tool(name=tool_name, description=description or schema.get("description", ""),
+                parameters=schema["parameters"], fn=fn, timeout=timeout,
+                returns=schema.get("return"))
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """The outcome of one call: ``content`` goes into the ``<tool_response>``; ``error`` is
+    ``None`` on success or one of ``FAILURE_KINDS``."""
+
+    name: str | None
+    content: str
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _validation_schema(parameters: dict) -> dict:
+    """The schema the arguments are checked against: ``get_json_schema``'s ``nullable`` (an
+    OpenAPI word jsonschema ignores) becomes a ``null`` type, and unknown arguments are refused."""
+
+    def convert(node):
+        if isinstance(node, dict):
+            node = {key: convert(value) for key, value in node.items()}
+            if node.pop("nullable", False) and "type" in node:
+                types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+                node["type"] = types + (["null"] if "null" not in types else [])
+            return node
+        if isinstance(node, list):
+            return [convert(value) for value in node]
+        return node
+
+    schema = convert(copy.deepcopy(parameters))
+    if schema.get("type") == "object":
+        schema.setdefault("additionalProperties", False)
+        schema.setdefault("properties", {})
+    return schema
+
+
+def _to_text(value: Any) -> str:
+    """A tool's return value as the text of its ``<tool_response>``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", errors="replace")
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _shared_executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=32,
+                                                          thread_name_prefix="agentrl_fast-tool")
+    return _EXECUTOR
+
+
+_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+@dataclass
+class ToolRegistry:
+    """The tools of an environment, by name; validates and executes the model's calls.
+
+    ``tools``: :class:`Tool` objects (plain functions are wrapped with :func:`tool`);
+    ``default_timeout``: seconds per call for tools without their own. ``metrics`` counts
+    ``calls``, ``ok`` and each failure kind over the registry's life; :meth:`with_tools` makes a
+    registry with more tools (for example memory tools bound to one rollout's namespace) that
+    shares nothing mutable with this one.
+    """
+
+    tools: Iterable[Tool | Callable] = ()
+    default_timeout: float = 30.0
+    metrics: Counter = field(default_factory=Counter, init=False)
+
+    def __post_init__(self):
+        if not self.default_timeout > 0:
+            raise ValueError(f"ToolRegistry: default_timeout must be > 0 seconds, "
+                             f"got {self.default_timeout!r}")
+        by_name: dict[str, Tool] = {}
+        for item in self.tools:
+            item = item if isinstance(item, Tool) else tool(item)
+            if item.name in by_name:
+                raise ValueError(f"ToolRegistry: two tools are named {item.name!r}")
+            by_name[item.name] = item
+        self.tools = tuple(by_name.values())
+        self._by_name = by_name
+        self._validators = {name: jsonschema.Draft202012Validator(_validation_schema(t.parameters))
+                            for name, t in by_name.items()}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    @property
+    def schemas(self) -> list[dict]:
+        """The JSON schemas, in registration order, for ``render_messages(tools=...)``."""
+        return [t.schema for t in self.tools]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def __getitem__(self, name: str) -> Tool:
+        return self._by_name[name]
+
+    def with_tools(self, *tools: Tool | Callable) -> "ToolRegistry":
+        return ToolRegistry(tools=(*self.tools, *tools), default_timeout=self.default_timeout)
+
+    def check(self, call: ToolCall) -> ToolResult | None:
+        """The error result for a call that cannot run (parse error, unknown tool, arguments not
+        matching the schema), or ``None`` when it can."""
+        if call.error is not None:
+            return ToolResult(call.name, f"Error: {call.error}", "parse_error")
+        if call.name not in self._by_name:
+            available = ", ".join(self._by_name) or "(none)"
+            return ToolResult(call.name, f"Error: unknown tool {call.name!r}. "
+                              f"Available tools: {available}.", "unknown_tool")
+        errors = sorted(self._validators[call.name].iter_errors(call.arguments),
+                        key=lambda e: (_KIND_PRIORITY[_KIND_OF_KEYWORD.get(e.validator,
+                                                                           "invalid_argument")],
+                                       list(e.absolute_path)))
+        if not errors:
+            return None
+        kind = _KIND_OF_KEYWORD.get(errors[0].validator, "invalid_argument")
+        messages = []
+        for e in errors[:3]:
+            where = "".join(f"[{p!r}]" for p in e.absolute_path)
+            messages.append(f"arguments{where}: {e.message}")
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        return ToolResult(call.name, f"Error: invalid arguments for {call.name!r}: "
+                          + "; ".join(messages) + more + ".", kind)
+
+    async def _run_one(self, call: ToolCall) -> ToolResult:
+        failed = self.check(call)
+        if failed is not None:
+            return failed
+        t = self._by_name[call.name]
+        timeout = t.timeout if t.timeout is not None else self.default_timeout
+        try:
+            if t.is_async:
+                value = await asyncio.wait_for(t.fn(**call.arguments), timeout)
+            else:
+                loop = asyncio.get_running_loop()
+                future = loop.run_in_executor(_shared_executor(),
+                                              functools.partial(t.fn, **call.arguments))
+                value = await asyncio.wait_for(future, timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            return ToolResult(call.name, f"Error: tool {call.name!r} timed out after "
+                              f"{timeout:g} s.", "timeout")
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # noqa: BLE001 - a tool may raise anything, even SystemExit
+            if isinstance(error, (KeyboardInterrupt, GeneratorExit)):
+                raise
+            return ToolResult(call.name, f"Error: tool {call.name!r} raised "
+                              f"{type(error).__name__}: {error}", "tool_exception")
+        return ToolResult(call.name, _to_text(value))
+
+    async def execute(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        """Run the calls of one turn concurrently; one result per call, in order. Never raises
+        for anything the model wrote."""
+        results = list(await asyncio.gather(*(self._run_one(c) for c in calls)))
+        self.metrics.update(count_failures(results))
+        return results
+
+    def execute_sync(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        """:meth:`execute` from synchronous code (not from inside a running event loop)."""
+        return asyncio.run(self.execute(calls))
+
+
+def count_failures(results: Iterable[ToolResult]) -> Counter:
+    """``Counter`` of ``calls``, ``ok`` and each failure kind over ``results``."""
+    counter = Counter()
+    for r in results:
+        counter["calls"] += 1
+        counter["ok" if r.ok else r.error] += 1
+    return counter
