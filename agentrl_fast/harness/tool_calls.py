@@ -60,8 +60,13 @@ def _call_from_object(obj, body: str) -> ToolCall:
     if "name" not in obj:
         return ToolCall(None, error=f'the tool call has no "name"; {expected}', text=body)
     if not isinstance(name, str) or not name:
-        return ToolCall(None, error=f'"name" must be a non-empty string, got {json.dumps(name)}',
-                        text=body)
+        try:
+            shown = json.dumps(name)
+        except RecursionError:  # decoded just under the stack limit, too deep to encode again
+            shown = "a value nested too deeply"
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        return ToolCall(None, error=f'"name" must be a non-empty string, got {shown}', text=body)
     arguments = obj.get("arguments", {})
     if isinstance(arguments, str):
         try:

@@ -25,11 +25,12 @@ Failure kinds (``FAILURE_KINDS``):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import functools
 import inspect
 import json
+import numbers
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -65,7 +66,8 @@ class Tool:
 
     @property
     def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.fn)
+        return (inspect.iscoroutinefunction(self.fn)
+                or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)))
 
     @property
     def schema(self) -> dict:
@@ -108,16 +110,19 @@ def tool(fn: Callable | None = None, *, name: str | None = None, description: st
         raise TypeError(f"tool: {fn.name!r} is already a Tool")
     if not callable(fn):
         raise TypeError(f"tool: expected a function, got {type(fn).__name__}")
-    if timeout is not None and not timeout > 0:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                or not timeout > 0):
         raise ValueError(f"tool: timeout must be > 0 seconds, got {timeout!r}")
     from transformers.utils import get_json_schema
+    # A callable object is described by its __call__ (self excluded), named by its class.
+    described = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else fn.__call__
     try:
-        schema = get_json_schema(fn)["function"]
+        schema = get_json_schema(described)["function"]
     except Exception as error:  # transformers raises its own exception types
         raise TypeError(f"tool: cannot build a JSON schema for {getattr(fn, '__name__', fn)!r}: "
                         f"{error}. Give every argument a type hint and a description under "
                         "'Args:' in a Google-style docstring.") from None
-    tool_name = name or schema["name"]
+    tool_name = name or (schema["name"] if described is fn else type(fn).__name__)
     if not isinstance(tool_name, str) or not tool_name:
         raise ValueError(f"tool: name must be a non-empty string, got {tool_name!r}")
     return Tool(name=tool_name, description=description or schema.get("description", ""),
@@ -161,6 +166,18 @@ def _validation_schema(parameters: dict) -> dict:
     return schema
 
 
+def _integral_floats_to_int(parameters: dict, arguments: dict) -> dict:
+    """JSON Schema's ``integer`` admits ``2.0``; a function typed ``int`` gets ``2``."""
+    properties = parameters.get("properties", {})
+    out = dict(arguments)
+    for name, value in arguments.items():
+        kind = properties.get(name, {}).get("type")
+        kinds = kind if isinstance(kind, list) else [kind]
+        if "integer" in kinds and isinstance(value, float) and value.is_integer():
+            out[name] = int(value)
+    return out
+
+
 def _to_text(value: Any) -> str:
     """A tool's return value as the text of its ``<tool_response>``."""
     if isinstance(value, str):
@@ -173,15 +190,63 @@ def _to_text(value: Any) -> str:
         return str(value)
 
 
-def _shared_executor() -> concurrent.futures.ThreadPoolExecutor:
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=32,
-                                                          thread_name_prefix="agentrl_fast-tool")
-    return _EXECUTOR
+def _in_thread(fn: Callable, arguments: dict) -> asyncio.Future:
+    """Run a sync tool in a thread of its own (daemon): a tool that overruns its timeout keeps
+    only its own thread, never a slot other calls queue behind."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome, failed):
+        if not future.done():
+            (future.set_exception if failed else future.set_result)(outcome)
+
+    def target():
+        try:
+            value, failed = _call_sync(fn, arguments), False
+        except BaseException as error:  # noqa: BLE001 - handed to the awaiting task
+            value, failed = error, True
+        try:
+            loop.call_soon_threadsafe(settle, value, failed)
+        except RuntimeError:  # the loop closed while the abandoned tool was still running
+            pass
+
+    threading.Thread(target=target, name="agentrl_fast-tool", daemon=True).start()
+    return future
 
 
-_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+class _Raised(Exception):
+    """What a tool raised, carried out of the task or thread that ran it. asyncio re-raises a
+    ``SystemExit`` out of the event loop from any task, and a ``TimeoutError`` the tool raises
+    itself must not read as the registry's timeout."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(error)
+        self.error = error
+
+
+async def _call_async(fn: Callable, arguments: dict):
+    try:
+        return await fn(**arguments)
+    except asyncio.CancelledError as error:
+        # Cancelled from outside (wait_for's timeout, or the turn) unless the task is not being
+        # cancelled: then the tool raised it itself (Task.cancelling is Python >= 3.11).
+        cancelling = getattr(asyncio.current_task(), "cancelling", None)
+        if cancelling is None or cancelling():
+            raise
+        raise _Raised(error) from None
+    except (KeyboardInterrupt, GeneratorExit):
+        raise
+    except BaseException as error:  # noqa: BLE001
+        raise _Raised(error) from None
+
+
+def _call_sync(fn: Callable, arguments: dict):
+    try:
+        return fn(**arguments)
+    except (KeyboardInterrupt, GeneratorExit):
+        raise
+    except BaseException as error:  # noqa: BLE001
+        raise _Raised(error) from None
 
 
 @dataclass
@@ -200,7 +265,9 @@ class ToolRegistry:
     metrics: Counter = field(default_factory=Counter, init=False)
 
     def __post_init__(self):
-        if not self.default_timeout > 0:
+        if (isinstance(self.default_timeout, bool) or not isinstance(self.default_timeout,
+                                                                     numbers.Real)
+                or not self.default_timeout > 0):
             raise ValueError(f"ToolRegistry: default_timeout must be > 0 seconds, "
                              f"got {self.default_timeout!r}")
         by_name: dict[str, Tool] = {}
@@ -210,6 +277,7 @@ class ToolRegistry:
                 raise ValueError(f"ToolRegistry: two tools are named {item.name!r}")
             by_name[item.name] = item
         self.tools = tuple(by_name.values())
+        self._metrics_lock = threading.Lock()
         self._by_name = by_name
         self._validators = {name: jsonschema.Draft202012Validator(_validation_schema(t.parameters))
                             for name, t in by_name.items()}
@@ -241,10 +309,14 @@ class ToolRegistry:
             available = ", ".join(self._by_name) or "(none)"
             return ToolResult(call.name, f"Error: unknown tool {call.name!r}. "
                               f"Available tools: {available}.", "unknown_tool")
-        errors = sorted(self._validators[call.name].iter_errors(call.arguments),
-                        key=lambda e: (_KIND_PRIORITY[_KIND_OF_KEYWORD.get(e.validator,
-                                                                           "invalid_argument")],
-                                       list(e.absolute_path)))
+        try:
+            errors = sorted(self._validators[call.name].iter_errors(call.arguments),
+                            key=lambda e: (_KIND_PRIORITY[_KIND_OF_KEYWORD.get(e.validator,
+                                                                               "invalid_argument")],
+                                           list(e.absolute_path)))
+        except RecursionError:  # jsonschema's messages repr the value: too deeply nested to print
+            return ToolResult(call.name, f"Error: invalid arguments for {call.name!r}: a value "
+                              "is nested too deeply.", "invalid_argument")
         if not errors:
             return None
         kind = _KIND_OF_KEYWORD.get(errors[0].validator, "invalid_argument")
@@ -261,32 +333,38 @@ class ToolRegistry:
         if failed is not None:
             return failed
         t = self._by_name[call.name]
+        arguments = _integral_floats_to_int(t.parameters, call.arguments)
         timeout = t.timeout if t.timeout is not None else self.default_timeout
         try:
             if t.is_async:
-                value = await asyncio.wait_for(t.fn(**call.arguments), timeout)
+                value = await asyncio.wait_for(_call_async(t.fn, arguments), timeout)
             else:
-                loop = asyncio.get_running_loop()
-                future = loop.run_in_executor(_shared_executor(),
-                                              functools.partial(t.fn, **call.arguments))
-                value = await asyncio.wait_for(future, timeout)
-        except (asyncio.TimeoutError, TimeoutError):
+                value = await asyncio.wait_for(_in_thread(t.fn, arguments), timeout)
+        except (asyncio.TimeoutError, TimeoutError):  # only wait_for's: the tool's own are _Raised
             return ToolResult(call.name, f"Error: tool {call.name!r} timed out after "
                               f"{timeout:g} s.", "timeout")
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # noqa: BLE001 - a tool may raise anything, even SystemExit
+            if isinstance(error, _Raised):
+                error = error.error
             if isinstance(error, (KeyboardInterrupt, GeneratorExit)):
                 raise
             return ToolResult(call.name, f"Error: tool {call.name!r} raised "
                               f"{type(error).__name__}: {error}", "tool_exception")
-        return ToolResult(call.name, _to_text(value))
+        try:
+            return ToolResult(call.name, _to_text(value))
+        except Exception as error:  # noqa: BLE001 - e.g. too deeply nested, or a failing __str__
+            return ToolResult(call.name, f"Error: tool {call.name!r} returned a value that cannot "
+                              f"be shown as text: {type(error).__name__}: {error}",
+                              "tool_exception")
 
     async def execute(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run the calls of one turn concurrently; one result per call, in order. Never raises
         for anything the model wrote."""
         results = list(await asyncio.gather(*(self._run_one(c) for c in calls)))
-        self.metrics.update(count_failures(results))
+        with self._metrics_lock:
+            self.metrics.update(count_failures(results))
         return results
 
     def execute_sync(self, calls: Sequence[ToolCall]) -> list[ToolResult]:

@@ -1,0 +1,388 @@
+"""Running code the model wrote: a child process under a timeout and resource limits.
+
+:func:`run_sandboxed` runs a program in a child process, never in the trainer's process, and
+:func:`python_tool` is the ``run_python`` tool built on it. The code is handed to the child as
+data (on its stdin); the harness never evaluates a tool argument as code.
+
+What the child gets:
+
+- its own session and process group (``start_new_session=True``); on a timeout, when the
+  awaiting task is cancelled (a tool timeout in :class:`~.tools.ToolRegistry`), and after the
+  program exits, the whole group is sent ``SIGKILL``, so forked children and grandchildren do not
+  outlive the run;
+- resource limits set in the child by a small launcher (:data:`LAUNCHER`, run by
+  ``python -I -S``, which imports neither ``agentrl_fast`` nor torch) before it ``exec``\\ s the
+  program, so no ``preexec_fn`` runs in the trainer (it is not thread-safe): ``RLIMIT_AS``
+  (address space, ``memory_mb``), ``RLIMIT_CPU`` (``cpu_seconds``; the hard limit is one second
+  above the soft one, so the program first gets ``SIGXCPU``), ``RLIMIT_FSIZE``
+  (:data:`FILE_SIZE_LIMIT_MB`) and ``RLIMIT_CORE`` 0;
+- a minimal environment (:func:`default_env`: ``PATH``, ``LANG=C.UTF-8``, ``PYTHONHASHSEED=0``,
+  one BLAS thread) unless ``env`` is given: nothing else of the trainer's environment (API keys,
+  tokens) reaches it;
+- bounded output: stdout and stderr are read concurrently and at most ``max_output_bytes`` of
+  each is kept; the rest is read and discarded, so a program printing forever neither blocks nor
+  grows the trainer's memory.
+
+Threat model. This is *resource isolation* for an honest-but-buggy program (an infinite loop, a
+memory hog, a fork that never exits, a flood of output), not a security sandbox against a
+malicious one. The program runs as the trainer's user with the trainer's filesystem and network:
+it can read and write any file that user can, open sockets, and escape the process-group kill by
+calling ``setsid()``. Limits are per process (each forked child gets its own ``memory_mb``), and
+nothing stops a fork bomb within the timeout. A production deployment that runs untrusted code
+should add real isolation around this: a container or VM per worker (no network, a read-only
+root, a scratch ``tmpfs``), cgroups (``memory.max``, ``pids.max``, ``cpu.max``), seccomp, and a
+separate unprivileged user, for example with nsjail, bubblewrap or gVisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import numbers
+import os
+import signal as _signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from agentrl_fast.harness.tools import Tool, tool
+
+FILE_SIZE_LIMIT_MB = 64
+"""Largest file (MB) a sandboxed program may write (``RLIMIT_FSIZE``)."""
+
+_KILL_GRACE_S = 2.0  # waiting for a killed group to be reaped and its pipes to close
+
+# Run as ``python -I -S -c LAUNCHER STATUS_FD AS_BYTES CPU_S FSIZE_BYTES -- PROGRAM ARGS...``.
+# It sets the limits (never raising a hard limit that is already lower) and execs the program.
+# If that fails it writes the error to STATUS_FD (closed by a successful exec) and exits 127.
+LAUNCHER = """\
+import os, resource, sys
+args = sys.argv[1:]
+split = args.index("--")
+fd, memory, cpu, fsize = map(int, args[:split])
+argv = args[split + 1:]
+try:
+    for which, soft, hard in ((resource.RLIMIT_AS, memory, memory),
+                              (resource.RLIMIT_CPU, cpu, cpu + 1),
+                              (resource.RLIMIT_FSIZE, fsize, fsize),
+                              (resource.RLIMIT_CORE, 0, 0)):
+        old_hard = resource.getrlimit(which)[1]
+        if old_hard != resource.RLIM_INFINITY:
+            hard = min(hard, old_hard)
+            soft = min(soft, hard)
+        resource.setrlimit(which, (soft, hard))
+    os.set_inheritable(fd, False)
+    os.execvp(argv[0], argv)
+except BaseException as error:
+    number = getattr(error, "errno", None) or 0
+    os.write(fd, f"{type(error).__name__}\\0{number}\\0{error}".encode(errors="replace"))
+    os._exit(127)
+"""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """How a sandboxed program ended. No wall-clock time is recorded (rollouts stay
+    deterministic).
+
+    ``exit_code``: the exit status, or ``None`` when a signal ended it; ``signal``: that signal's
+    number, else ``None``. ``stdout``/``stderr``: the first ``max_output_bytes`` of each, decoded
+    as UTF-8 (``errors="replace"``); ``truncated``: either stream was longer. ``timed_out``: the
+    wall-clock timeout fired and the group was killed. ``killed_reason``: ``"timeout"``,
+    ``"cpu_limit"`` (``SIGXCPU``, or a ``SIGKILL`` not sent by us: the hard CPU limit, or
+    rarely the kernel's OOM killer), ``"memory_limit"`` (best effort: the program failed with a
+    memory-error message such as ``MemoryError`` on stderr, or died of ``SIGSEGV``/``SIGBUS``/
+    ``SIGABRT``, what an allocation failure in C code under ``RLIMIT_AS`` usually becomes; a
+    genuine crash is labelled the same), or ``None``.
+    """
+
+    exit_code: int | None
+    signal: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    truncated: bool = False
+    killed_reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The program exited with status 0."""
+        return self.exit_code == 0
+
+
+_MEMORY_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"out of memory", b"bad_alloc")
+_MEMORY_SIGNALS = (_signal.SIGSEGV, _signal.SIGBUS, _signal.SIGABRT)
+
+
+def _killed_reason(timed_out: bool, exit_code: int | None, signum: int | None,
+                   stderr: bytes) -> str | None:
+    if timed_out:
+        return "timeout"
+    if signum in (_signal.SIGXCPU, _signal.SIGKILL):
+        return "cpu_limit"
+    if signum in _MEMORY_SIGNALS:
+        return "memory_limit"
+    if exit_code not in (0, None) and any(marker in stderr for marker in _MEMORY_MARKERS):
+        return "memory_limit"
+    return None
+
+
+def _check_number(name: str, value, *, minimum: float, integer: bool = False,
+                  strict: bool = False) -> None:
+    """``value`` must be a (finite) real, or an int if ``integer``, that is ``>= minimum``
+    (``> minimum`` if ``strict``)."""
+    kinds = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an int" if integer else "a number"
+        raise TypeError(f"run_sandboxed: {name} must be {kind}, got {type(value).__name__}")
+    if (not integer and not math.isfinite(value)) or value < minimum or (
+            strict and value == minimum):
+        bound = f"{'>' if strict else '>='} {minimum:g}"
+        raise ValueError(f"run_sandboxed: {name} must be finite and {bound}, got {value!r}; "
+                         f"pass a value {bound}")
+
+
+def _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env):
+    if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence):
+        raise TypeError(f"run_sandboxed: argv must be a sequence of str such as "
+                        f"['python', '-c', 'print(1)'], got {type(argv).__name__}")
+    if len(argv) == 0:
+        raise ValueError("run_sandboxed: argv is empty; pass the program and its arguments")
+    for i, arg in enumerate(argv):
+        if not isinstance(arg, str):
+            raise TypeError(f"run_sandboxed: argv[{i}] must be a str, got {type(arg).__name__}")
+        if "\0" in arg:
+            raise ValueError(f"run_sandboxed: argv[{i}] contains a NUL character; remove it")
+    if not argv[0]:
+        raise ValueError("run_sandboxed: argv[0] (the program) is an empty string")
+    if not isinstance(stdin, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"run_sandboxed: stdin must be str or bytes, got {type(stdin).__name__}")
+    _check_number("timeout", timeout, minimum=0, strict=True)
+    _check_number("memory_mb", memory_mb, minimum=32, integer=True)
+    if cpu_seconds is not None:
+        _check_number("cpu_seconds", cpu_seconds, minimum=0, strict=True)
+    _check_number("max_output_bytes", max_output_bytes, minimum=0, integer=True)
+    if cwd is not None:
+        if not isinstance(cwd, (str, os.PathLike)):
+            raise TypeError(f"run_sandboxed: cwd must be a path or None, got {type(cwd).__name__}")
+        if not os.path.isdir(cwd):
+            raise ValueError(f"run_sandboxed: cwd {os.fspath(cwd)!r} is not a directory")
+    if env is not None:
+        if not isinstance(env, Mapping):
+            raise TypeError(f"run_sandboxed: env must be a mapping of str to str or None, "
+                            f"got {type(env).__name__}")
+        for key, value in env.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"run_sandboxed: env must map str to str, got {key!r}: "
+                                f"{type(value).__name__}")
+
+
+def default_env() -> dict[str, str]:
+    """The environment a sandboxed program gets unless ``env`` is given: ``PATH`` (the
+    trainer's), ``LANG=C.UTF-8``, ``PYTHONHASHSEED=0`` and one thread for OpenMP/OpenBLAS/MKL
+    (a BLAS sizing its thread pool to the machine would spend the memory limit on stacks, and
+    one thread keeps results reproducible); nothing else."""
+    return {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8",
+            "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1"}
+
+
+class _Collector(asyncio.SubprocessProtocol):
+    """Keeps the first ``limit`` bytes of stdout and of stderr and drops the rest as it arrives
+    (so the child never blocks on a full pipe); ``exited`` resolves when the program exits,
+    ``finished`` when it has exited and all its pipes are closed."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop):
+        self.limit = limit
+        self.output = {1: bytearray(), 2: bytearray()}
+        self.truncated = False
+        self.exited = loop.create_future()
+        self.finished = loop.create_future()
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        kept = self.output[fd]
+        room = self.limit - len(kept)
+        if len(data) > room:
+            self.truncated = True
+            data = data[:max(room, 0)]
+        kept += data
+
+    def process_exited(self) -> None:
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+    def connection_lost(self, exc) -> None:
+        if not self.finished.done():
+            self.finished.set_result(None)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, _signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is already gone
+
+
+def _launch_failure(status_fd: int, argv: Sequence[str]) -> BaseException | None:
+    """The launcher's error report (it could not set a limit or exec the program), if any."""
+    try:
+        report = os.read(status_fd, 65536)
+    except BlockingIOError:
+        return None
+    if not report:
+        return None
+    kind, number, message = (report.decode(errors="replace").split("\0", 2) + ["", ""])[:3]
+    text = f"run_sandboxed: cannot run {argv[0]!r}: {kind}: {message}"
+    if number.isdigit() and int(number):
+        return OSError(int(number), text)  # FileNotFoundError, PermissionError, ...
+    return RuntimeError(text)
+
+
+async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeout: float = 10.0,
+                        memory_mb: int = 512, cpu_seconds: float | None = None,
+                        max_output_bytes: int = 16384, cwd: str | os.PathLike | None = None,
+                        env: Mapping[str, str] | None = None) -> SandboxResult:
+    """Run ``argv`` in a child process under a timeout and resource limits (see the module).
+
+    ``stdin`` (str, UTF-8 encoded, or bytes) is written to the program's stdin, which is then
+    closed. ``timeout``: wall-clock seconds before the process group is killed; ``memory_mb``:
+    address-space limit (``RLIMIT_AS``, at least 32; an interpreter needs some of it just to
+    start); ``cpu_seconds``: CPU-time limit (``RLIMIT_CPU``, rounded up to whole seconds;
+    default ``ceil(timeout)``); ``max_output_bytes``: bytes kept of stdout and of stderr each;
+    ``cwd``: working directory; ``env``: the program's whole environment (default
+    :func:`default_env`). An ``argv[0]`` without a slash is looked up on the child's ``PATH``.
+
+    Everything the program does is reported in the :class:`SandboxResult`; this raises only for
+    bad arguments (``TypeError``/``ValueError`` naming the argument) and when the program cannot
+    be started at all (``OSError`` such as ``FileNotFoundError``, or ``RuntimeError``). If the
+    awaiting task is cancelled, the process group is killed before ``CancelledError`` propagates.
+    """
+    _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env)
+    data = stdin.encode("utf-8") if isinstance(stdin, str) else bytes(stdin)
+    cpu = math.ceil(cpu_seconds if cpu_seconds is not None else timeout)
+    status_read, status_write = os.pipe()
+    os.set_blocking(status_read, False)
+    command = [sys.executable, "-I", "-S", "-c", LAUNCHER, str(status_write),
+               str(memory_mb * 1024 * 1024), str(cpu), str(FILE_SIZE_LIMIT_MB * 1024 * 1024),
+               "--", *argv]
+    loop = asyncio.get_running_loop()
+    timed_out = False
+    try:
+        try:
+            transport, collector = await loop.subprocess_exec(
+                lambda: _Collector(max_output_bytes, loop), *command, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                pass_fds=(status_write,), cwd=cwd,
+                env=dict(env) if env is not None else default_env())
+        finally:
+            os.close(status_write)
+        try:
+            stdin_pipe = transport.get_pipe_transport(0)
+            if data:
+                stdin_pipe.write(data)  # buffered by the loop; a child that never reads is fine
+            stdin_pipe.write_eof()
+            # Wait for the program itself, not for its pipes: a forked child may hold them.
+            done, _ = await asyncio.wait({collector.exited}, timeout=timeout)
+            timed_out = not done
+        finally:
+            # Also after a normal exit or a cancellation: nothing of the group may outlive us.
+            _kill_group(transport.get_pid())
+            try:
+                # The exit status and the pipes' last bytes; then close what is left (pipes held
+                # by a program that escaped the group with setsid()).
+                await asyncio.wait({collector.finished}, timeout=_KILL_GRACE_S)
+            finally:
+                transport.close()
+        failure = _launch_failure(status_read, argv)
+    finally:
+        os.close(status_read)
+    if failure is not None:
+        raise failure
+    returncode = transport.get_returncode()
+    signum = -returncode if returncode is not None and returncode < 0 else None
+    exit_code = returncode if signum is None else None
+    out, err = (bytes(collector.output[fd]) for fd in (1, 2))
+    return SandboxResult(exit_code=exit_code, signal=signum,
+                         stdout=out.decode("utf-8", errors="replace"),
+                         stderr=err.decode("utf-8", errors="replace"), timed_out=timed_out,
+                         truncated=collector.truncated,
+                         killed_reason=_killed_reason(timed_out, exit_code, signum, err))
+
+
+def run_sandboxed_sync(argv: Sequence[str], **kwargs) -> SandboxResult:
+    """:func:`run_sandboxed` from synchronous code (not from inside a running event loop)."""
+    return asyncio.run(run_sandboxed(argv, **kwargs))
+
+
+def _status_lines(result: SandboxResult, *, timeout: float, cpu_seconds: int,
+                  memory_mb: int) -> list[str]:
+    lines = []
+    if result.killed_reason == "timeout":
+        lines.append(f"[killed: timeout after {timeout:g} s]")
+    elif result.killed_reason == "cpu_limit":
+        lines.append(f"[killed: CPU time limit {cpu_seconds} s]")
+    elif result.killed_reason == "memory_limit":
+        if result.signal is not None:
+            lines.append(f"[killed: memory limit {memory_mb} MB]")
+        else:
+            lines.append(f"[exit code {result.exit_code}: memory limit {memory_mb} MB]")
+    elif result.signal is not None:
+        try:
+            name = _signal.Signals(result.signal).name
+        except ValueError:
+            name = str(result.signal)
+        lines.append(f"[killed by signal {name}]")
+    elif result.exit_code != 0:
+        lines.append(f"[exit code {result.exit_code}]")
+    if result.truncated:
+        lines.append("[output truncated]")
+    return lines
+
+
+def format_result(result: SandboxResult, *, timeout: float, cpu_seconds: int,
+                  memory_mb: int) -> str:
+    """The text :func:`python_tool` returns: stdout, then stderr, then status lines."""
+    parts = [text if text.endswith("\n") else text + "\n"
+             for text in (result.stdout, result.stderr) if text]
+    parts += [line + "\n" for line in _status_lines(result, timeout=timeout,
+                                                     cpu_seconds=cpu_seconds,
+                                                     memory_mb=memory_mb)]
+    return "".join(parts).rstrip("\n") if parts else "[no output]"
+
+
+def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: int = 512,
+                cpu_seconds: float | None = None, max_output_bytes: int = 8192) -> Tool:
+    """A :class:`~.tools.Tool` (``code: str``) running the model's Python in :func:`run_sandboxed`.
+
+    The code goes to ``python -I -u -`` on stdin (``-u``: what was printed before a kill is kept).
+    The tool returns one text: the program's stdout, then its stderr (if any), then status lines
+    as they apply: ``[exit code 1]``, ``[killed: timeout after 2 s]``,
+    ``[killed: CPU time limit 2 s]``, ``[killed: memory limit 256 MB]`` (or
+    ``[exit code 1: memory limit 256 MB]`` after a ``MemoryError``),
+    ``[killed by signal SIGTERM]``, ``[output truncated]``; ``[no output]`` when all is empty.
+    ``max_output_bytes`` applies to stdout and stderr each.
+
+    A program that fails, however it fails (traceback, timeout, limit), is a normal result
+    (``ToolResult.error is None``; the model reads what happened and the episode continues).
+    Only a failure to start the sandbox raises (``tool_exception`` in the registry). The Tool's
+    own timeout is the sandbox's plus 5 s, so the sandbox's kill, not the registry's, ends a
+    runaway program and its message is the one the model reads.
+    """
+    # Check the limits now, not at the model's first call.
+    _validate([sys.executable], b"", timeout, memory_mb, cpu_seconds, max_output_bytes, None,
+              None)
+    cpu = math.ceil(cpu_seconds if cpu_seconds is not None else timeout)
+    limits = {"timeout": timeout, "memory_mb": memory_mb, "cpu_seconds": cpu_seconds,
+              "max_output_bytes": max_output_bytes}
+
+    async def run_python(code: str) -> str:
+        """Run a Python program in a sandbox and return its output.
+
+        Args:
+            code: The Python source to run.
+        """
+        result = await run_sandboxed([sys.executable, "-I", "-u", "-"], stdin=code, **limits)
+        return format_result(result, timeout=timeout, cpu_seconds=cpu, memory_mb=memory_mb)
+
+    return tool(run_python, name=name, timeout=timeout + 5.0)
