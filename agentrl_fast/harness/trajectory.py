@@ -15,6 +15,7 @@ next sub-trace). See DESIGN.md ("Training").
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -107,6 +108,17 @@ class SubTrace:
         self.logprobs += logprobs
         self.rewards += [0.0] * len(ids)
 
+    def rewind(self, length: int) -> None:
+        """Drop the tokens from ``length`` on; they must all be context (a compaction moves tool
+        results that would overflow the budget into the next sub-trace's summary)."""
+        self._check_open()
+        if not 0 <= length <= len(self.ids):
+            raise ValueError(f"rewind: length must be in [0, {len(self.ids)}], got {length}")
+        if any(self.action_mask[length:]):
+            raise ValueError("rewind would drop action tokens; only context can be dropped")
+        for values in (self.ids, self.action_mask, self.logprobs, self.rewards):
+            del values[length:]
+
     def add_reward(self, reward: float) -> None:
         """Add ``reward`` on the last action token (the end of the latest turn)."""
         reward = float(reward)
@@ -182,9 +194,19 @@ class TurnOutcome:
     final: bool
 
 
+def cap_response(result: ToolResult, max_chars: int) -> ToolResult:
+    """``result`` with its content cut to ``max_chars`` and a visible marker."""
+    if len(result.content) <= max_chars:
+        return result
+    cut = len(result.content) - max_chars
+    return dataclasses.replace(result, content=result.content[:max_chars]
+                               + f"\n[truncated: {cut} more characters]")
+
+
 async def apply_turn(sub_trace: SubTrace, chat_format: ChatFormat, registry: ToolRegistry,
                      sampled_ids: Sequence[int], logprobs: Sequence[float],
-                     metrics: Counter | None = None) -> TurnOutcome:
+                     metrics: Counter | None = None,
+                     max_response_chars: int | None = None) -> TurnOutcome:
     """One turn: append the sampled ids as actions, run the calls they contain, append the
     turn's end, the tool results and the next generation prompt as context ids.
 
@@ -193,7 +215,8 @@ async def apply_turn(sub_trace: SubTrace, chat_format: ChatFormat, registry: Too
     calls the turn is the final answer and nothing is appended after ``\\n``. A turn that ended
     at ``</tool_call>`` with no ``<tool_call>`` block gets an error result. A turn without a
     stop token (``"length"``) is closed with ``<|im_end|>``, gets no results, and the caller
-    decides (usually: truncate the rollout).
+    decides (usually: truncate the rollout). A tool response longer than
+    ``max_response_chars`` is cut there, with a visible ``[truncated: N more characters]``.
     """
     sub_trace.append_action(sampled_ids, logprobs)
     last = sampled_ids[-1] if len(sampled_ids) else None
@@ -210,6 +233,8 @@ async def apply_turn(sub_trace: SubTrace, chat_format: ChatFormat, registry: Too
             calls = [ToolCall(None, error="the turn ended with </tool_call> but has no "
                               "<tool_call> block; write <tool_call>{...}</tool_call>")]
     results = await registry.execute(calls) if calls else []
+    if max_response_chars is not None:
+        results = [cap_response(r, max_response_chars) for r in results]
     sub_trace.append_context(chat_format.turn_end_ids(sampled_ids))
     if results:
         sub_trace.append_context(chat_format.tool_results_ids([r.content for r in results]))

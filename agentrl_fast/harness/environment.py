@@ -1,0 +1,60 @@
+"""What the rollout engine needs from an environment: tasks, and episodes that give the model a
+system prompt, a task prompt and tools, and score its final answer.
+
+An :class:`Environment` lists :class:`Task` objects per split (``"train"``, ``"eval"``) and
+starts an :class:`Episode` for a task with the rollout's memory namespace and a seed. The
+episode's tools are ordinary :class:`~agentrl_fast.harness.tools.Tool` objects (memory tools
+bound to that namespace among them); the engine runs them through a ``ToolRegistry``. Rewards:
+``after_tools`` may return a per-turn reward (on the turn's last action token), ``finish`` the
+episode's final reward in [0, 1] (``answer`` is ``None`` when the rollout was truncated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence, runtime_checkable
+
+from agentrl_fast.harness.memory import MemoryNamespace
+from agentrl_fast.harness.tool_calls import ToolCall
+from agentrl_fast.harness.tools import Tool, ToolResult
+
+SPLITS = ("train", "eval")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: a stable ``id`` (seeds derive from it), the user ``prompt``, and ``data`` the
+    environment keeps for scoring (never shown to the model)."""
+
+    id: str
+    prompt: str
+    data: Mapping = field(default_factory=dict)
+
+
+@runtime_checkable
+class Episode(Protocol):
+    system_prompt: str
+    prompt: str
+    tools: Sequence[Tool]
+
+    def after_tools(self, calls: Sequence[ToolCall], results: Sequence[ToolResult]) -> float:
+        """Reward for a turn that called tools (usually 0)."""
+
+    def finish(self, answer: str | None) -> float:
+        """The final reward in [0, 1]; ``answer`` is the final assistant text, ``None`` if the
+        rollout was truncated."""
+
+    @property
+    def success(self) -> bool:
+        """Whether the finished episode solved its task."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    name: str
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        """The tasks of a split (``"train"`` or ``"eval"``; ``"eval"`` is held out)."""
+
+    def start(self, task: Task, memory: MemoryNamespace, seed: int) -> Episode:
+        """A fresh episode of ``task``; ``memory`` is the rollout's namespace."""

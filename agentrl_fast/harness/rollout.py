@@ -1,0 +1,389 @@
+"""Batched multi-turn rollouts: :class:`RolloutEngine` runs N tasks x M samples through a
+:class:`~agentrl_fast.harness.generation.Generator`, the environment's tools and memory, and
+compacts long contexts into sub-traces.
+
+Each rollout lives in a loop: generate until a stop, run the turn's tool calls, append the
+results (token in, token out: :func:`~agentrl_fast.harness.trajectory.apply_turn`), repeat
+until a final answer or a limit. Before each generation the engine checks the limits:
+
+- ``max_turns``, ``max_total_tokens`` (all sub-traces together): hitting one truncates;
+- ``context_budget``: if the sub-trace plus ``max_new_tokens`` would exceed it, the sub-trace is
+  closed as ``"continued"`` and the next starts from the system prompt, the task and a
+  compaction summary (``summarize``; the default lists the memory keys and the latest tool
+  results that fit in ``summary_chars``). If even that fresh start cannot fit, or
+  ``max_sub_traces`` is reached, the rollout is truncated instead.
+
+A turn that runs out of ``max_new_tokens`` without a stop truncates the rollout; tool responses
+longer than ``max_tool_response_chars`` are cut with a visible marker. Rewards: the
+environment's per-turn reward and final reward sit on the last action token of their turn
+(the final reward of a truncated rollout on its last action token).
+
+Schedules (``RolloutConfig.schedule``): ``"lockstep"`` generates for all waiting rollouts, then
+runs all their tools, then generates again — batches are a function of the inputs, so a seed
+reproduces the rollouts bit for bit; ``"overlap"`` starts the next generation for whichever
+rollouts are ready while other rollouts' tools still run, which hides slow tools (network,
+sandboxes) but makes batch composition depend on timing. ``bench/bench_rollout.py`` measures
+both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from agentrl_fast.harness.chat_format import ChatFormat
+from agentrl_fast.harness.environment import Environment, Episode, Task
+from agentrl_fast.harness.generation import Generation, Generator, SamplingParams
+from agentrl_fast.harness.memory import MemoryNamespace, MemoryStore
+from agentrl_fast.harness.tool_calls import ToolCall
+from agentrl_fast.harness.tools import ToolRegistry, ToolResult
+from agentrl_fast.harness.trajectory import Trajectory, apply_turn
+
+SCHEDULES = ("lockstep", "overlap")
+MEMORY_SCOPES = ("rollout", "agent")
+
+
+def derive_seed(*parts) -> int:
+    """A 63-bit seed from any parts (``seed``, task id, sample index, turn): stable across
+    processes and Python versions (blake2b, not ``hash``)."""
+    digest = hashlib.blake2b("/".join(str(p) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Limits and options of :class:`RolloutEngine` (see the module doc). Token counts are in
+    tokens of the chat format's tokenizer."""
+
+    samples_per_task: int = 1
+    sampling: SamplingParams = SamplingParams(max_new_tokens=128)
+    context_budget: int = 2048
+    max_turns: int = 32
+    max_sub_traces: int = 8
+    max_total_tokens: int = 32768
+    max_tool_response_chars: int = 2000
+    summary_chars: int = 600
+    memory_scope: str = "rollout"
+    schedule: str = "lockstep"
+    tool_timeout: float = 30.0
+
+    def __post_init__(self):
+        positive = ("samples_per_task", "context_budget", "max_turns", "max_sub_traces",
+                    "max_total_tokens", "max_tool_response_chars")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"RolloutConfig: {name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.summary_chars, int) or self.summary_chars < 0:
+            raise ValueError(f"RolloutConfig: summary_chars must be an int >= 0, "
+                             f"got {self.summary_chars!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"RolloutConfig: sampling must be a SamplingParams, "
+                            f"got {type(self.sampling).__name__}")
+        if self.sampling.max_new_tokens >= self.context_budget:
+            raise ValueError(f"RolloutConfig: context_budget ({self.context_budget}) must exceed "
+                             f"sampling.max_new_tokens ({self.sampling.max_new_tokens}) plus the "
+                             "prompt")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"RolloutConfig: schedule must be one of {', '.join(SCHEDULES)}, "
+                             f"got {self.schedule!r}")
+        if self.memory_scope not in MEMORY_SCOPES:
+            raise ValueError(f"RolloutConfig: memory_scope must be one of "
+                             f"{', '.join(MEMORY_SCOPES)}, got {self.memory_scope!r}")
+        if not self.tool_timeout > 0:
+            raise ValueError(f"RolloutConfig: tool_timeout must be > 0 seconds, "
+                             f"got {self.tool_timeout!r}")
+
+
+@dataclass(frozen=True)
+class CompactionState:
+    """What a compaction summary may use: the rollout's memory keys, its tool calls and their
+    results so far (oldest first), and the summary's size budget in characters."""
+
+    memory_keys: list[str]
+    tool_results: list[tuple[ToolCall, ToolResult]]
+    max_chars: int
+
+
+def default_summary(state: CompactionState) -> str:
+    """``Your context was reset. Saved in memory: a, b.`` then the latest tool results that
+    fit in ``state.max_chars`` (newest kept first, shown oldest first), one per line as
+    ``- name {arguments}: content``."""
+    keys = ", ".join(state.memory_keys) if state.memory_keys else "nothing"
+    text = f"Your context was reset. Saved in memory: {keys}."
+    recent: list[str] = []
+    used = len(text) + len("\nLatest tool results:")
+    for call, result in reversed(state.tool_results):
+        called = (f"{call.name} {json.dumps(call.arguments, ensure_ascii=False)}" if call.ok
+                  else "(invalid call)")
+        line = f"\n- {called}: {result.content}"
+        if used + len(line) > state.max_chars:
+            break
+        recent.append(line)
+        used += len(line)
+    if recent:
+        text += "\nLatest tool results:" + "".join(reversed(recent))
+    return text
+
+
+@dataclass
+class _Rollout:
+    task: Task
+    sample_index: int
+    trajectory: Trajectory
+    episode: Episode
+    registry: ToolRegistry
+    memory: MemoryNamespace
+    seed: int
+    turns: int = 0
+    tool_results: list = field(default_factory=list)
+    compact_next: bool = False
+    done: bool = False
+
+
+@dataclass
+class RolloutStats:
+    """Throughput of one :meth:`RolloutEngine.run` (wall-clock, for benchmarks only)."""
+
+    episodes: int = 0
+    generated_tokens: int = 0
+    wall_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    tool_seconds: float = 0.0
+
+    @property
+    def episodes_per_second(self) -> float:
+        return self.episodes / self.wall_seconds if self.wall_seconds else 0.0
+
+    @property
+    def generated_tokens_per_second(self) -> float:
+        return self.generated_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    @property
+    def tool_share(self) -> float:
+        """Share of the wall time spent running tools (overlapped time included)."""
+        return self.tool_seconds / self.wall_seconds if self.wall_seconds else 0.0
+
+
+class RolloutEngine:
+    """Runs rollouts of ``environment``'s tasks with ``generator`` (see the module doc).
+
+    ``memory``: the store the rollouts' memory namespaces live in (default: a fresh in-memory
+    store); ``summarize``: the compaction summary (``CompactionState -> str``).
+    """
+
+    def __init__(self, generator: Generator, chat_format: ChatFormat, environment: Environment,
+                 config: RolloutConfig = RolloutConfig(), memory: MemoryStore | None = None,
+                 summarize: Callable[[CompactionState], str] = default_summary):
+        if not callable(getattr(generator, "generate", None)):
+            raise TypeError(f"generator must have a generate(prompts, sampling, seeds) method, "
+                            f"got {type(generator).__name__}")
+        if not isinstance(chat_format, ChatFormat):
+            raise TypeError(f"chat_format must be a ChatFormat, got {type(chat_format).__name__}")
+        if not isinstance(config, RolloutConfig):
+            raise TypeError(f"config must be a RolloutConfig, got {type(config).__name__}")
+        self.generator = generator
+        self.chat_format = chat_format
+        self.environment = environment
+        self.config = config
+        self.memory = memory if memory is not None else MemoryStore()
+        self.summarize = summarize
+        self.sampling = dataclasses.replace(config.sampling, stop_ids=chat_format.stop_ids)
+        # Room for the template ids that close a turn, which follow the sampled ids.
+        self._turn_end_room = max(len(chat_format.turn_end_ids([chat_format.im_end_id])),
+                                  len(chat_format.turn_end_ids([])))
+        self.stats = RolloutStats()
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def run(self, tasks: Sequence[Task], seed: int = 0) -> list[Trajectory]:
+        """Roll out every task ``samples_per_task`` times; trajectories in (task, sample) order.
+        Rollout ids are ``"{seed}/{task.id}/{sample}"``; episode seeds derive from
+        ``(seed, task.id, sample)``."""
+        return asyncio.run(self.arun(tasks, seed))
+
+    async def arun(self, tasks: Sequence[Task], seed: int = 0) -> list[Trajectory]:
+        start = time.perf_counter()
+        self.stats = RolloutStats()
+        rollouts = [self._start(task, sample, seed) for task in tasks
+                    for sample in range(self.config.samples_per_task)]
+        if self.config.schedule == "lockstep":
+            await self._lockstep(rollouts)
+        else:
+            await self._overlap(rollouts)
+        self.stats.episodes = len(rollouts)
+        self.stats.wall_seconds = time.perf_counter() - start
+        return [r.trajectory for r in rollouts]
+
+    # -- one rollout ----------------------------------------------------------------------------
+
+    def _start(self, task: Task, sample_index: int, seed: int) -> _Rollout:
+        rollout_id = f"{seed}/{task.id}/{sample_index}"
+        if self.config.memory_scope == "rollout":
+            memory = self.memory.namespace(rollout_id)
+            memory.clear()
+        else:
+            memory = self.memory.namespace("agent")
+        episode_seed = derive_seed(seed, task.id, sample_index)
+        episode = self.environment.start(task, memory, episode_seed)
+        registry = ToolRegistry(episode.tools, default_timeout=self.config.tool_timeout)
+        trajectory = Trajectory(rollout_id, task_id=task.id, sample_index=sample_index)
+        rollout = _Rollout(task, sample_index, trajectory, episode, registry, memory, episode_seed)
+        trajectory.new_sub_trace().append_context(self._prompt_ids(rollout, summary=None))
+        return rollout
+
+    def _prompt_ids(self, rollout: _Rollout, summary: str | None) -> list[int]:
+        prompt = rollout.episode.prompt + (f"\n\n{summary}" if summary else "")
+        messages = [{"role": "system", "content": rollout.episode.system_prompt},
+                    {"role": "user", "content": prompt}]
+        return self.chat_format.render_ids(messages, rollout.registry.schemas,
+                                           add_generation_prompt=True)
+
+    def _truncate(self, rollout: _Rollout, reason: str) -> None:
+        trajectory = rollout.trajectory
+        trajectory.current.close("truncated")
+        trajectory.metrics[f"truncated_{reason}"] += 1
+        self._finish(rollout, answer=None)
+
+    def _finish(self, rollout: _Rollout, answer: str | None) -> None:
+        reward = rollout.episode.finish(answer)
+        trajectory = rollout.trajectory
+        trajectory.reward += reward
+        for sub_trace in reversed(trajectory.sub_traces):
+            if sub_trace.last_action_index is not None:
+                sub_trace.rewards[sub_trace.last_action_index] += reward
+                break
+        trajectory.metrics["success"] = int(bool(rollout.episode.success))
+        rollout.done = True
+
+    def _prepare(self, rollout: _Rollout) -> bool:
+        """Enforce the limits before a generation; compact if needed. False: rollout over."""
+        config, trajectory = self.config, rollout.trajectory
+        new = self.sampling.max_new_tokens
+        if rollout.turns >= config.max_turns:
+            self._truncate(rollout, "max_turns")
+            return False
+        if trajectory.num_tokens + new > config.max_total_tokens:
+            self._truncate(rollout, "max_total_tokens")
+            return False
+        if (not rollout.compact_next
+                and len(trajectory.current) + new + self._turn_end_room <= config.context_budget):
+            return True
+        if len(trajectory.sub_traces) >= config.max_sub_traces:
+            self._truncate(rollout, "max_sub_traces")
+            return False
+        state = CompactionState(rollout.memory.list(limit=1000), list(rollout.tool_results),
+                                config.summary_chars)
+        fresh = self._prompt_ids(rollout, self.summarize(state))
+        if trajectory.num_tokens + len(fresh) + new > config.max_total_tokens:
+            self._truncate(rollout, "max_total_tokens")
+            return False
+        if (len(fresh) + new + self._turn_end_room > config.context_budget
+                or trajectory.current.last_action_index is None):
+            self._truncate(rollout, "context_budget")  # a fresh start would not fit either
+            return False
+        trajectory.new_sub_trace().append_context(fresh)  # closes the current one: "continued"
+        trajectory.metrics["compactions"] += 1
+        rollout.compact_next = False
+        return True
+
+    async def _step(self, rollout: _Rollout, generation: Generation) -> None:
+        """Record one generated turn, run its tools, and close the rollout if it ended."""
+        rollout.turns += 1
+        sub_trace = rollout.trajectory.current
+        self.stats.generated_tokens += len(generation.ids)
+        turn_end = len(sub_trace) + len(generation.ids) + len(
+            self.chat_format.turn_end_ids(generation.ids))
+        start = time.perf_counter()
+        outcome = await apply_turn(sub_trace, self.chat_format, rollout.registry, generation.ids,
+                                   generation.logprobs, rollout.trajectory.metrics,
+                                   max_response_chars=self.config.max_tool_response_chars)
+        self.stats.tool_seconds += time.perf_counter() - start
+        rollout.trajectory.metrics["generated_tokens"] += len(generation.ids)
+        if outcome.results:
+            rollout.tool_results += list(zip(outcome.calls, outcome.results))
+            turn_reward = rollout.episode.after_tools(outcome.calls, outcome.results)
+            if turn_reward:
+                sub_trace.add_reward(turn_reward)
+        if len(sub_trace) > self.config.context_budget and not outcome.final:
+            # The tool results do not fit: this sub-trace ends with the turn, and the results
+            # reach the model through the next sub-trace's summary.
+            sub_trace.rewind(turn_end)
+            rollout.compact_next = True
+            rollout.trajectory.metrics["results_moved_to_summary"] += 1
+        if outcome.final:
+            answer = self.chat_format.decode(generation.ids[:-1])
+            sub_trace.close("terminal")
+            self._finish(rollout, answer)
+        elif outcome.stop == "length":
+            self._truncate(rollout, "length")
+
+    # -- schedules ------------------------------------------------------------------------------
+
+    async def _generate(self, batch: list[_Rollout]) -> list[Generation]:
+        prompts = [r.trajectory.current.ids for r in batch]
+        seeds = [derive_seed(r.seed, r.turns) for r in batch]
+        start = time.perf_counter()
+        generations = await asyncio.to_thread(self.generator.generate, prompts, self.sampling,
+                                              seeds)
+        self.stats.generate_seconds += time.perf_counter() - start
+        if len(generations) != len(batch):
+            raise RuntimeError(f"generator returned {len(generations)} generations for "
+                               f"{len(batch)} prompts")
+        return generations
+
+    async def _lockstep(self, rollouts: list[_Rollout]) -> None:
+        while True:
+            batch = [r for r in rollouts if not r.done and self._prepare(r)]
+            if not batch:
+                return
+            generations = await self._generate(batch)
+            await asyncio.gather(*(self._step(r, g) for r, g in zip(batch, generations)))
+
+    async def _overlap(self, rollouts: list[_Rollout]) -> None:
+        ready = deque(r for r in rollouts if self._prepare(r))
+        stepping: dict[asyncio.Task, _Rollout] = {}
+        generating: asyncio.Task | None = None
+        batch: list[_Rollout] = []
+        while ready or stepping or generating is not None:
+            if generating is None and ready:
+                batch = list(ready)
+                ready.clear()
+                generating = asyncio.ensure_future(self._generate(batch))
+            waiting = set(stepping) | ({generating} if generating is not None else set())
+            finished, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in finished:
+                if task is generating:
+                    for rollout, generation in zip(batch, task.result()):
+                        stepping[asyncio.ensure_future(self._step(rollout, generation))] = rollout
+                    generating = None
+                else:
+                    rollout = stepping.pop(task)
+                    task.result()
+                    if not rollout.done and self._prepare(rollout):
+                        ready.append(rollout)
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Means over rollouts: reward, success, sub-traces, turns, tokens, and tool failures per
+    call; for logs and benchmarks."""
+    count = max(len(trajectories), 1)
+    totals = Counter()
+    for t in trajectories:
+        totals.update(t.metrics)
+    calls = max(totals["calls"], 1)
+    out = {"reward": sum(t.reward for t in trajectories) / count,
+           "success": totals["success"] / count,
+           "sub_traces": sum(len(t.sub_traces) for t in trajectories) / count,
+           "turns": totals["turns"] / count,
+           "tokens": sum(t.num_tokens for t in trajectories) / count,
+           "generated_tokens": totals["generated_tokens"] / count,
+           "tool_calls": totals["calls"] / count,
+           "tool_error_rate": (totals["calls"] - totals["ok"]) / calls}
+    return out

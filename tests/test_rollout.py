@@ -1,0 +1,323 @@
+"""RolloutEngine with a real tiny Qwen3 (config in code), the built-in vault environment, real
+tools and a real SQLite memory: rollouts and training see the same tokens, compaction keeps the
+budget and carries memory, failures stay inside their rollout, seeds reproduce rollouts."""
+
+import asyncio
+import copy
+import time
+from collections import Counter
+
+import pytest
+import torch
+import transformers
+
+from agentrl_fast.harness import ChatFormat, MemoryStore, build_tokenizer, tool
+from agentrl_fast.harness.generation import SamplingParams, TorchGenerator
+from agentrl_fast.harness.rollout import (CompactionState, RolloutConfig, RolloutEngine,
+                                          default_summary, derive_seed, rollout_metrics)
+from agentrl_fast.harness.vault import (CODE_WORDS, VAULT_NAMES, ScriptedGenerator,
+                                        VaultEnvironment, VaultEpisode, expert_action, score)
+from agentrl_fast.models import pack, packed_forward, use_packed_attention
+
+BUDGET = 240
+
+
+@pytest.fixture(scope="module")
+def env():
+    return VaultEnvironment()
+
+
+@pytest.fixture(scope="module")
+def chat(env):
+    return ChatFormat(build_tokenizer(env.corpus(), vocab_size=1024,
+                                      words=VAULT_NAMES + CODE_WORDS))
+
+
+@pytest.fixture(scope="module")
+def model(chat):
+    """A tiny random Qwen3 whose LM head is biased towards the stop tokens, so its turns are
+    short and rollouts go many turns (parse errors fed back, compaction, limits)."""
+    config = transformers.Qwen3Config(
+        vocab_size=len(chat.tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).float().eval()
+    head = torch.nn.Linear(64, len(chat.tokenizer), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[chat.tool_call_close_id] = 5.0
+        head.bias[chat.im_end_id] = 2.0
+    model.lm_head = head
+    return model
+
+
+def config(**overrides):
+    base = dict(samples_per_task=4, sampling=SamplingParams(temperature=1.0, top_p=0.95,
+                                                            max_new_tokens=24),
+                context_budget=BUDGET, max_turns=16, summary_chars=100)
+    base.update(overrides)
+    return RolloutConfig(**base)
+
+
+class RecordingGenerator:
+    """Wraps a generator and keeps every (prompt, generation) it produced."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = []
+
+    def generate(self, prompts, sampling, seeds=None):
+        out = self.inner.generate(prompts, sampling, seeds)
+        self.calls += [(list(p), g) for p, g in zip(prompts, out)]
+        return out
+
+
+def teacher_forced_logprobs(model, sub_traces, temperature):
+    """log_softmax(logits / temperature) of each token given its prefix, by one packed forward
+    over all sub-traces (position convention: row t-1 predicts token t)."""
+    packed_model = use_packed_attention(copy.deepcopy(model))
+    ids, positions, cu_seqlens, max_seqlen = pack([s.ids for s in sub_traces])
+    with torch.no_grad():
+        logits = packed_forward(packed_model, ids, positions, cu_seqlens, max_seqlen).logits[0]
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    out = []
+    for k, s in enumerate(sub_traces):
+        start = int(cu_seqlens[k])
+        targets = torch.tensor(s.ids[1:])
+        rows = logprobs[start:start + len(s) - 1]
+        out.append(torch.cat([torch.zeros(1), rows.gather(-1, targets[:, None])[:, 0]]))
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "overlap"])
+def test_sampling_logprobs_equal_teacher_forced_logprobs(env, chat, model, schedule):
+    recorder = RecordingGenerator(TorchGenerator(model, pad_id=chat.tokenizer.pad_token_id))
+    engine = RolloutEngine(recorder, chat, env, config(schedule=schedule, sampling=SamplingParams(
+        temperature=0.8, top_k=50, max_new_tokens=24)))
+    trajectories = engine.run(env.tasks("train")[:3], seed=7)
+    sub_traces = [s for t in trajectories for s in t.sub_traces]
+    assert sum(s.num_action_tokens for s in sub_traces) > 100
+    assert max(len(t.sub_traces) for t in trajectories) > 1  # compaction happened
+    forced = teacher_forced_logprobs(model, sub_traces, temperature=0.8)
+    for s, expected in zip(sub_traces, forced):
+        mask = torch.tensor(s.action_mask, dtype=torch.bool)
+        recorded = torch.tensor(s.logprobs)
+        assert not mask[0]
+        torch.testing.assert_close(recorded[mask], expected[mask], atol=1e-4, rtol=0)
+        assert (recorded[~mask] == 0).all()
+    # The ids the model saw at every step are the trajectory's ids: each prompt is a prefix of
+    # its sub-trace, followed verbatim by the sampled ids (stop included).
+    for prompt, generation in recorder.calls:
+        turn = slice(len(prompt), len(prompt) + len(generation.ids))
+        homes = [s for s in sub_traces if s.ids[:len(prompt)] == prompt
+                 and s.ids[turn] == generation.ids and s.logprobs[turn] == generation.logprobs
+                 and all(s.action_mask[turn])]
+        assert homes, "a prompt the model saw, or what it sampled, is not in any sub-trace"
+
+
+def test_compaction_keeps_the_budget_and_sub_trace_counts_vary(env, chat, model):
+    engine = RolloutEngine(TorchGenerator(model, pad_id=chat.tokenizer.pad_token_id), chat, env,
+                           config(samples_per_task=6))
+    trajectories = engine.run(env.tasks("train")[:2], seed=3)
+    for t in trajectories:
+        assert all(len(s) <= BUDGET for s in t.sub_traces)
+        assert [s.index for s in t.sub_traces] == list(range(len(t.sub_traces)))
+        assert all(s.end == "continued" for s in t.sub_traces[:-1])
+        assert t.sub_traces[-1].end in ("terminal", "truncated")
+        assert all(s.last_action_index is not None for s in t.sub_traces)
+        assert t.metrics["compactions"] == len(t.sub_traces) - 1
+    for task_index in range(2):
+        counts = {len(t.sub_traces) for t in trajectories[6 * task_index:6 * task_index + 6]}
+        assert len(counts) > 1, "rollouts of one task should end with different sub-trace counts"
+    # Every sub-trace after the first restarts from the system prompt, task and summary.
+    t = max(trajectories, key=lambda t: len(t.sub_traces))
+    second = chat.decode(t.sub_traces[1].ids)
+    assert "Your context was reset. Saved in memory:" in second
+    assert second.startswith("<|im_start|>system\n")
+
+
+def test_same_seed_same_rollouts(env, chat, model):
+    generator = TorchGenerator(model, pad_id=chat.tokenizer.pad_token_id)
+    engine = RolloutEngine(generator, chat, env, config())
+    tasks = env.tasks("train")[:2]
+    first, second = engine.run(tasks, seed=11), engine.run(tasks, seed=11)
+    other = engine.run(tasks, seed=12)
+    flat = lambda ts: [(s.ids, s.logprobs, s.rewards, s.end) for t in ts for s in t.sub_traces]
+    assert flat(first) == flat(second)
+    assert flat(first) != flat(other)
+    assert [t.rollout_id for t in first] == [f"11/{t.id}/{m}" for t in tasks for m in range(4)]
+    # A rollout's tokens do not depend on which other rollouts share its batches (per-sequence
+    # sampling generators); its log-probs only up to float rounding (padding changes the
+    # reduction shapes).
+    alone = engine.run(tasks[1:], seed=11)
+    assert [(s.ids, s.end) for t in alone for s in t.sub_traces] == [
+        (s.ids, s.end) for t in first[4:] for s in t.sub_traces]
+    for a, b in zip([s for t in alone for s in t.sub_traces],
+                    [s for t in first[4:] for s in t.sub_traces]):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   atol=1e-5, rtol=0)
+
+
+def test_expert_solves_the_environment_through_the_engine(env, chat):
+    store = MemoryStore()
+    engine = RolloutEngine(ScriptedGenerator(expert_action, chat), chat, env,
+                           config(samples_per_task=1, context_budget=200, max_turns=30,
+                                  summary_chars=200), memory=store)
+    tasks = env.tasks("eval")[:40]
+    trajectories = engine.run(tasks, seed=0)
+    metrics = rollout_metrics(trajectories)
+    assert metrics["success"] == 1.0 and metrics["reward"] == 1.0
+    assert all(t.sub_traces[-1].end == "terminal" for t in trajectories)
+    assert all(len(s) <= 200 for t in trajectories for s in t.sub_traces)
+    # Jammed vaults: tool errors the expert recovered from.
+    assert sum(t.metrics["tool_exception"] for t in trajectories) > 0
+    # Memory across compaction: codes written in one sub-trace are read in a later one.
+    carried = 0
+    for t in trajectories:
+        written_in = {}
+        for s in t.sub_traces:
+            text = chat.decode(s.ids)
+            for vault in VAULT_NAMES:
+                if f'"name": "memory_write", "arguments": {{"key": "{vault}"' in text:
+                    written_in.setdefault(vault, s.index)
+                if (f'"name": "memory_read", "arguments": {{"key": "{vault}"' in text
+                        and written_in.get(vault, s.index) < s.index):
+                    carried += 1
+    assert carried > 0
+    # Rewards: the final reward on the last action token of the final sub-trace only.
+    for t in trajectories:
+        last = t.sub_traces[-1]
+        assert last.rewards[last.last_action_index] == 1.0
+        assert sum(sum(s.rewards) for s in t.sub_traces) == 1.0
+    # Namespaces: one per rollout, holding that rollout's codes.
+    for t, task in zip(trajectories, tasks):
+        world = task.data["world"]
+        namespace = store.namespace(t.rollout_id)
+        assert {k: namespace.read(k) for k in namespace.list()} == dict(zip(world.vaults,
+                                                                           world.codes))
+
+
+class FlakyVaultEnvironment(VaultEnvironment):
+    """Sample 0 of every task gets an extra tool that hangs past its timeout or raises; the
+    expert calls it first. Other rollouts never see it."""
+
+    def start(self, task, memory, seed):
+        episode = super().start(task, memory, seed)
+        if memory.name.endswith("/0"):
+            @tool(timeout=0.2)
+            def check_lock(name: str) -> str:
+                """Check a lock (hangs).
+
+                Args:
+                    name: The vault.
+                """
+                time.sleep(2)
+                return "ok"
+            episode.tools = [*episode.tools, check_lock]
+        return episode
+
+
+def flaky_expert(context: str) -> str:
+    first_turn = (context.count("<|im_start|>assistant") == 1
+                  and "Your context was reset" not in context)
+    if "check_lock" in context and first_turn:
+        return '<tool_call>\n{"name": "check_lock", "arguments": {"name": "x"}}\n</tool_call>'
+    return expert_action(context)
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "overlap"])
+def test_tool_failures_do_not_stop_other_rollouts(chat, schedule):
+    env = FlakyVaultEnvironment()
+    engine = RolloutEngine(ScriptedGenerator(flaky_expert, chat), chat, env,
+                           config(samples_per_task=2, context_budget=260, max_turns=30,
+                                  summary_chars=200, schedule=schedule))
+    trajectories = engine.run(env.tasks("train")[:3], seed=0)
+    assert [t.metrics["timeout"] for t in trajectories] == [1, 0] * 3
+    assert all(t.metrics["success"] == 1 for t in trajectories)  # the hung rollout recovered too
+
+
+def test_tool_responses_over_the_cap_are_truncated_visibly(chat):
+    class LongEnvironment(VaultEnvironment):
+        def start(self, task, memory, seed):
+            episode = super().start(task, memory, seed)
+            memory.write("note", "x" * 500)
+            return episode
+
+    def reader(context):
+        if "[truncated:" not in context:
+            return '<tool_call>\n{"name": "memory_read", "arguments": {"key": "note"}}\n</tool_call>'
+        return "Codes: none"
+
+    engine = RolloutEngine(ScriptedGenerator(reader, chat), chat, LongEnvironment(),
+                           config(samples_per_task=1, max_tool_response_chars=50,
+                                  context_budget=400))
+    trajectory, = engine.run(VaultEnvironment().tasks("train")[:1])
+    text = chat.decode(trajectory.sub_traces[0].ids)
+    assert "<tool_response>\n" + "x" * 50 + "\n[truncated: 450 more characters]\n</tool_response>" in text
+    assert trajectory.sub_traces[-1].end == "terminal" and trajectory.reward == 0.0
+
+
+def test_limits_truncate(chat, env):
+    def caller(context):
+        return '<tool_call>\n{"name": "open_vault", "arguments": {"name": "nowhere"}}\n</tool_call>'
+
+    for overrides, reason in [({"max_turns": 3}, "max_turns"),
+                              ({"max_sub_traces": 2, "max_turns": 50}, "max_sub_traces"),
+                              ({"max_total_tokens": 300, "max_turns": 50}, "max_total_tokens")]:
+        engine = RolloutEngine(ScriptedGenerator(caller, chat), chat, env,
+                               config(samples_per_task=1, **overrides))
+        trajectory, = engine.run(env.tasks("train")[:1])
+        assert trajectory.metrics[f"truncated_{reason}"] == 1, (reason, trajectory.metrics)
+        assert trajectory.sub_traces[-1].end == "truncated"
+        assert trajectory.num_tokens <= overrides.get("max_total_tokens", 10 ** 9)
+
+
+def test_derive_seed_and_summary():
+    assert derive_seed(1, "a", 0) == derive_seed(1, "a", 0) != derive_seed(1, "a", 1)
+    assert 0 <= derive_seed("x") < 2 ** 63
+    from agentrl_fast.harness.tool_calls import ToolCall
+    from agentrl_fast.harness.tools import ToolResult
+    results = [(ToolCall("open_vault", {"name": "kite"}), ToolResult("open_vault", "vault kite: code yak")),
+               (ToolCall(None, error="bad"), ToolResult(None, "Error: bad", "parse_error"))]
+    text = default_summary(CompactionState(["kite"], results, max_chars=500))
+    assert text == ("Your context was reset. Saved in memory: kite.\nLatest tool results:\n"
+                    '- open_vault {"name": "kite"}: vault kite: code yak\n- (invalid call): Error: bad')
+    assert default_summary(CompactionState([], results, max_chars=10)) == (
+        "Your context was reset. Saved in memory: nothing.")
+
+
+def test_score():
+    assert score("Codes: falcon tiger", ["falcon", "tiger"]) == 1.0
+    assert score("codes: falcon tiger", ["falcon", "tiger"]) == 0.0  # "Codes:" is the format
+    assert score("Codes: falcon, otter.", ["falcon", "tiger"]) == 0.5
+    assert score("Codes: falcon tiger otter", ["falcon", "tiger"]) == 2 / 3
+    assert score(None, ["falcon"]) == 0.0
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("samples_per_task", 0, "samples_per_task must be an int >= 1"),
+    ("context_budget", 16, "context_budget (16) must exceed sampling.max_new_tokens"),
+    ("schedule", "async", "schedule must be one of lockstep, overlap"),
+    ("memory_scope", "global", "memory_scope must be one of rollout, agent"),
+    ("summary_chars", -1, "summary_chars must be an int >= 0"),
+    ("sampling", {"max_new_tokens": 3}, "sampling must be a SamplingParams"),
+])
+def test_bad_config(field, value, fragment):
+    with pytest.raises((TypeError, ValueError)) as info:
+        config(**{field: value})
+    assert fragment in str(info.value)
+
+
+def test_agent_memory_scope_shares_one_namespace(env, chat):
+    store = MemoryStore()
+    engine = RolloutEngine(ScriptedGenerator(expert_action, chat), chat, env,
+                           config(samples_per_task=1, context_budget=200, max_turns=30,
+                                  summary_chars=200, memory_scope="agent"), memory=store)
+    tasks = env.tasks("train")[:3]
+    trajectories = engine.run(tasks, seed=0)
+    assert store.namespaces() == ["agent"]
+    vaults = {v for task in tasks for v in task.data["world"].vaults}
+    assert set(store.namespace("agent").list()) == vaults
+    assert len(trajectories) == 3
