@@ -10,9 +10,9 @@ with the same seeds the same ids come out (on the CPU, bit for bit).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -116,27 +116,54 @@ class TorchGenerator:
                  seeds: Sequence[int] | None = None) -> list[Generation]:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
         embeddings = getattr(self.model, "get_input_embeddings", lambda: None)()
         vocab_size = getattr(embeddings, "num_embeddings", None) or math.inf
+        checked = []
         for i, p in enumerate(prompts):
-            if not p:
+            ids = torch.as_tensor(p if isinstance(p, torch.Tensor) else list(p)).cpu()
+            if ids.numel() == 0:
                 raise ValueError(f"prompts[{i}] is empty; a prompt needs at least one token")
-            bad = next((x for x in p if isinstance(x, bool) or not isinstance(x, numbers.Integral)
-                        or not 0 <= x < vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"prompts[{i}] must hold token ids, ints in [0, {vocab_size}), got "
-                                 f"{bad!r}")
+            if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
+                raise TypeError(f"prompts[{i}] must hold integer token ids, got dtype {ids.dtype}")
+            if ids.dim() != 1:
+                raise ValueError(f"prompts[{i}] must be 1-D (one prompt of token ids), got shape "
+                                 f"{tuple(ids.shape)}")
+            out_of_range = (ids < 0) | (ids >= vocab_size)
+            if out_of_range.any():
+                raise ValueError(f"prompts[{i}] holds token id {int(ids[out_of_range][0])}, outside "
+                                 f"the model's vocabulary [0, {vocab_size})")
+            checked.append(ids.tolist())
+        prompts = checked
         if seeds is None:
             seeds = [torch.initial_seed() + i for i in range(len(prompts))]
         seeds = list(seeds)
         if len(seeds) != len(prompts):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
         out: list[Generation] = []
-        for start in range(0, len(prompts), self.max_batch_size):
-            stop = start + self.max_batch_size
-            out += self._generate_batch(prompts[start:stop], sampling, seeds[start:stop])
+        with self._generation_mode():
+            for start in range(0, len(prompts), self.max_batch_size):
+                stop = start + self.max_batch_size
+                out += self._generate_batch(prompts[start:stop], sampling, seeds[start:stop])
         return out
+
+    @contextlib.contextmanager
+    def _generation_mode(self):
+        """Eval mode (no dropout while sampling) and a padded-batch attention: a model the
+        trainer switched to packed attention (which reads sequence boundaries, not masks) runs
+        on sdpa here. Both are restored afterwards."""
+        model, config = self.model, self.model.config
+        training = model.training
+        attention = getattr(config, "_attn_implementation", None)
+        switch = attention not in (None, "sdpa", "eager")
+        if switch:
+            model.set_attn_implementation("sdpa")
+        model.eval()
+        try:
+            yield
+        finally:
+            model.train(training)
+            if switch:
+                model.set_attn_implementation(attention)
 
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams,
