@@ -170,6 +170,10 @@ class VaultEnvironment:
     def start(self, task: Task, memory: MemoryNamespace, seed: int) -> VaultEpisode:
         return VaultEpisode(task.data["world"], memory)
 
+    def words(self) -> tuple[str, ...]:
+        """Entity names the built-in tokenizer keeps whole (one id wherever they appear)."""
+        return VAULT_NAMES + CODE_WORDS
+
     def corpus(self) -> list[str]:
         """Text for the built-in tokenizer: the prompts, tool outputs and expert actions."""
         lines = [SYSTEM_PROMPT]

@@ -1,0 +1,120 @@
+"""Policy log-probs and critic values on packed batches, by DESIGN.md's position convention.
+
+Every per-token quantity at position ``t`` is about emitting token ``t``: ``logp[t] = log
+pi(x_t | x_<t)`` and ``V[t] = V(x_<t)``, both read from the model's output at position ``t - 1``
+of the same sequence; the first token of a sequence has neither (0 here). The value of the state
+after a sequence's last token is the critic's output at that last position.
+
+The critic is an HF token-classification model with one label (``AutoModelForTokenClassification``,
+as verl's critic): a backbone plus a scalar head, saved and loaded by ``save_pretrained`` /
+``from_pretrained`` like any HF model. :func:`make_critic` builds it from the policy (same
+architecture, backbone weights copied, head initialised to zero so the first values are 0).
+
+Log-probs use the fused op: the backbone's hidden states times the LM head's weight through
+``linear_token_logprobs``, so ``[T, V]`` logits never exist at once (a head with a bias, or
+with tied scaling, falls back to the logits path).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from agentrl_fast.models.attention import packed_forward, use_packed_attention
+from agentrl_fast.ops import linear_token_logprobs, token_logprobs
+
+IGNORE_INDEX = -100
+
+
+def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``labels[r] = input_ids[r + 1]`` when row ``r + 1`` is in the same sequence, else
+    ``IGNORE_INDEX``: row ``r`` predicts the next token of its own sequence only.
+    ``input_ids [T]`` int64, ``cu_seqlens [B+1]`` int32 -> ``[T]`` int64."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    if input_ids.numel() > 1:
+        labels[:-1] = input_ids[1:]
+    ends = cu_seqlens[1:].long() - 1
+    ends = ends[(ends >= 0) & (cu_seqlens[1:] > cu_seqlens[:-1])]
+    labels[ends] = IGNORE_INDEX
+    return labels
+
+
+def rows_to_tokens(per_row: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Move per-row outputs to the token they are about: ``out[t] = per_row[t - 1]`` within
+    each sequence, 0 at each sequence's first token. ``per_row [T]`` -> ``[T]``."""
+    out = torch.zeros_like(per_row)
+    if per_row.numel() > 1:
+        out[1:] = per_row[:-1]
+    starts = cu_seqlens[:-1].long()
+    starts = starts[cu_seqlens[1:] > cu_seqlens[:-1]]
+    out[starts] = 0
+    return out
+
+
+def _as_packed(model: torch.nn.Module) -> torch.nn.Module:
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return model if name == "agentrl_varlen" else use_packed_attention(model)
+
+
+def policy_logprobs(policy: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    cu_seqlens: torch.Tensor, max_seqlen: int, *, temperature: float = 1.0,
+                    return_entropy: bool = False):
+    """``logp [T]`` float32 (and ``entropy [T]``) of each token under ``policy`` (an HF causal
+    LM on packed attention) at ``temperature``; 0 at each sequence's first token.
+    ``input_ids``/``position_ids`` ``[1, T]``."""
+    head = policy.get_output_embeddings()
+    backbone = getattr(policy, getattr(policy, "base_model_prefix", "model"), None)
+    labels = next_token_labels(input_ids[0], cu_seqlens)
+    fused = (backbone is not None and isinstance(head, torch.nn.Linear) and head.bias is None
+             and getattr(policy.config, "logit_scale", None) is None
+             and getattr(policy.config, "final_logit_softcapping", None) is None)
+    if fused:
+        hidden = packed_forward(backbone, input_ids, position_ids, cu_seqlens, max_seqlen,
+                                validate=False).last_hidden_state[0]
+        out = linear_token_logprobs(hidden, head.weight.to(hidden.dtype), labels,
+                                    temperature=temperature, return_entropy=return_entropy)
+    else:
+        logits = packed_forward(policy, input_ids, position_ids, cu_seqlens, max_seqlen,
+                                validate=False).logits[0]
+        out = token_logprobs(logits, labels, temperature=temperature,
+                             return_entropy=return_entropy)
+    if return_entropy:
+        logp, entropy = out
+        return rows_to_tokens(logp, cu_seqlens), rows_to_tokens(entropy, cu_seqlens)
+    return rows_to_tokens(out, cu_seqlens)
+
+
+def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values [T], last_values [B])`` float32: ``values[t] = V(x_<t)`` (0 at each sequence's
+    first token) and the value after each sequence's last token (0 for an empty sequence)."""
+    raw = packed_forward(critic, input_ids, position_ids, cu_seqlens, max_seqlen,
+                         validate=False).logits[0, :, 0].float()
+    nonempty = cu_seqlens[1:] > cu_seqlens[:-1]
+    last = torch.zeros(cu_seqlens.numel() - 1, dtype=raw.dtype, device=raw.device)
+    last[nonempty] = raw[cu_seqlens[1:].long()[nonempty] - 1]
+    return rows_to_tokens(raw, cu_seqlens), last
+
+
+def make_critic(policy: torch.nn.Module) -> torch.nn.Module:
+    """A value model for ``policy``: ``AutoModelForTokenClassification`` (one label, no
+    dropout) of the same configuration, backbone weights copied from the policy, head zero, on
+    the policy's device and dtype, on packed attention."""
+    from transformers import AutoModelForTokenClassification
+
+    config = copy.deepcopy(policy.config)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    config.architectures = None
+    critic = AutoModelForTokenClassification.from_config(config)
+    prefix = getattr(policy, "base_model_prefix", "model")
+    source = getattr(policy, prefix)
+    getattr(critic, critic.base_model_prefix).load_state_dict(source.state_dict())
+    head = getattr(critic, "score", None) or getattr(critic, "classifier")
+    with torch.no_grad():
+        head.weight.zero_()
+        if head.bias is not None:
+            head.bias.zero_()
+    parameter = next(policy.parameters())
+    return _as_packed(critic.to(device=parameter.device, dtype=parameter.dtype))

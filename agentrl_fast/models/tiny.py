@@ -1,0 +1,33 @@
+"""Tiny HF models built from a config in code (nothing downloaded): the default policy of the
+built-in environment, and what tests and examples train on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_qwen3(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2,
+               num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+               intermediate_size: int | None = None, max_positions: int = 2048,
+               seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised ``Qwen3ForCausalLM`` (float32, untied LM head, GQA when
+    ``num_kv_heads < num_heads``), the same weights for the same ``seed``."""
+    import transformers
+
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads})")
+    config = transformers.Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        max_position_embeddings=max_positions, tie_word_embeddings=False)
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = transformers.Qwen3ForCausalLM(config).float()
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model

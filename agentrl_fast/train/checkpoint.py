@@ -1,0 +1,630 @@
+"""Atomic, verified training checkpoints, and atomic Hugging Face exports.
+
+The trainer decides what a checkpoint holds; this module writes it so that a crash never leaves a
+checkpoint that could be mistaken for a good one, and reads it back only after checking it.
+
+Layout on disk (one directory per checkpoint, named by the zero-padded step)::
+
+    DIRECTORY/
+      step-000000040/
+        manifest.json      format, version, step, and per entry: file, kind, size, sha256;
+                           plus the sha256 of the manifest's own content
+        policy.pt          kind "torch": tensors, state dicts, nested dict/list/tuple of tensors
+                           and plain Python; torch.save, read by torch.load(weights_only=True)
+        memory.bin         kind "bytes": a bytes value written raw (a MemoryStore snapshot)
+        progress.json      kind "json": plain data (dict with str keys, list, str, int, finite
+                           float, bool, None) that survives a JSON round trip unchanged
+      step-000000060/ ...
+      .tmp-step-000000080-4242/    a save in progress (or killed) in process 4242; never read
+
+The kind of each entry is chosen from its value (bytes -> "bytes", exact JSON data -> "json",
+anything else -> "torch", checked up front to be readable by ``torch.load(weights_only=True)``).
+
+Saving (:func:`save_checkpoint`): every file is written into ``.tmp-step-<step>-<pid>/`` and
+fsynced, then ``manifest.json`` (written last, fsynced), then the temporary directory is fsynced,
+renamed to ``step-<step>`` and the parent directory fsynced. Re-saving an existing step swaps the
+two directories in one atomic ``renameat2(RENAME_EXCHANGE)`` where the OS offers it; elsewhere the
+old one is renamed aside first (a kill between the two renames loses that step, never another).
+Checkpoints pruned by ``keep`` and leftovers are renamed to a ``.tmp-`` name before being deleted.
+
+The guarantee: a directory named ``step-<step>`` was complete when it got that name, and every
+load verifies it. A ``kill -9`` at any instant leaves the previous checkpoints and either the new
+one complete or no directory with its name (only ``.tmp-*`` leftovers, which are ignored and
+deleted by the next save once their process is gone).
+
+What is checked at load (:func:`load_checkpoint`), before anything is deserialized: the manifest
+is readable JSON of this format and a known version, its own sha256 matches, every entry is
+well-formed, the step in the directory name matches the manifest's, and every listed file exists
+with the recorded size and sha256. Any failure raises :class:`CheckpointError` (a ``ValueError``)
+naming the checkpoint, the file and what is wrong. :func:`latest_checkpoint` returns the newest
+checkpoint that passes, logging one message per skipped (partial or corrupt) checkpoint.
+
+Also here: :func:`rng_state` / :func:`set_rng_state` (Python ``random``, NumPy's global
+generator, torch CPU and CUDA) so a resumed run continues the same random streams, and
+:func:`export_pretrained` (``save_pretrained`` into a temporary directory, then an atomic rename)
+so Hugging Face tools can load the policy and critic. One writer per checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import inspect
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+           "export_pretrained", "rng_state", "set_rng_state", "FORMAT", "FORMAT_VERSION"]
+
+FORMAT = "agentrl_fast.checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_EXTENSIONS = {"torch": ".pt", "bytes": ".bin", "json": ".json"}
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_PREFIX = ".tmp-"
+_TMP_PID = re.compile(r"-(\d+)$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 1 << 20
+
+# Temporary directories this process is writing right now (never cleaned as stale).
+_IN_PROGRESS: set[Path] = set()
+_IN_PROGRESS_LOCK = threading.Lock()
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded: incomplete, damaged or of an unknown format.
+
+    ``path`` is the checkpoint directory, ``reason`` what is wrong (naming the file)."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        self.path = Path(path)
+        self.reason = reason
+        super().__init__(f"checkpoint {self.path}: {reason}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks.
+
+
+def _as_path(what: str, value) -> Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a str or os.PathLike, got {type(value).__name__}")
+    path = Path(value)
+    if not str(path):
+        raise ValueError(f"{what} must be a non-empty path")
+    return path
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def _check_step(step) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return step
+
+
+def _is_exact_json(value) -> bool:
+    """True when ``json.loads(json.dumps(value)) == value`` with the same types throughout."""
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
+        return True
+    if kind is float:
+        return math.isfinite(value)
+    if kind is list:
+        return all(_is_exact_json(item) for item in value)
+    if kind is dict:
+        return all(type(key) is str and _is_exact_json(item) for key, item in value.items())
+    return False
+
+
+# Exact types torch.load(weights_only=True) reads back (subclasses such as numpy.float64 or a
+# namedtuple pickle as their own class, which the weights-only unpickler refuses).
+_TORCH_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+                 torch.Size, torch.Tensor, torch.nn.Parameter)
+_TORCH_CONTAINERS = (dict, OrderedDict, list, tuple, set)
+
+
+def _check_torch_value(value, where: str) -> None:
+    kind = type(value)
+    if kind in _TORCH_LEAVES:
+        return
+    if kind in (dict, OrderedDict):
+        for key, item in value.items():
+            _check_torch_value(key, f"{where} key {key!r}")
+            _check_torch_value(item, f"{where}[{key!r}]")
+        return
+    if kind in (list, tuple, set):
+        for i, item in enumerate(value):
+            _check_torch_value(item, f"{where}[{i}]")
+        return
+    hint = ""
+    if hasattr(value, "state_dict"):
+        hint = "; pass its .state_dict() instead"
+    elif kind.__module__ == "numpy":
+        hint = "; convert it with torch.from_numpy(...) or .item()"
+    raise TypeError(f"{where} is a {kind.__module__}.{kind.__qualname__}, which "
+                    f"torch.load(weights_only=True) cannot read{hint}; a checkpoint entry holds "
+                    f"bytes, JSON data, or tensors/state dicts in dict/list/tuple/set with "
+                    f"None/bool/int/float/complex/str/bytes leaves")
+
+
+def _plan(state) -> list[tuple[str, str, Any]]:
+    """(name, kind, value) per entry of ``state``, every check done before touching the disk."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a Mapping from entry name to value, got "
+                        f"{type(state).__name__}")
+    plan = []
+    for name, value in state.items():
+        if not isinstance(name, str):
+            raise TypeError(f"state keys must be str (they name files), got {name!r}")
+        if not _NAME.match(name) or name == "manifest":
+            raise ValueError(f"state key {name!r} is not a valid entry name; use 1-128 "
+                             f"characters from A-Z a-z 0-9 _ . - (not starting with . or -), "
+                             f"other than 'manifest'")
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            kind = "bytes"
+        elif _is_exact_json(value):
+            kind = "json"
+        else:
+            _check_torch_value(value, f"state[{name!r}]")
+            kind = "torch"
+        plan.append((name, kind, value))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Files, fsync and atomic directory installation.
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_and_hash(path: Path) -> tuple[int, str]:
+    """Flush a written file to disk; return its size and sha256 (read back from the file)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or directory tree; a missing one is fine."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _remove_atomically(path: Path) -> None:
+    """Take ``path`` out of the visible names in one rename, then delete it."""
+    doomed = path.with_name(f"{_TMP_PREFIX}deleting-{path.name}-{os.getpid()}")
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    _remove(doomed)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux ``renameat2``); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def _install(tmp: Path, final: Path) -> None:
+    """Give the complete directory ``tmp`` the name ``final``, replacing any existing one."""
+    parent = final.parent
+    if not os.path.lexists(final):
+        try:
+            os.rename(tmp, final)
+            _fsync_dir(parent)
+            return
+        except OSError as error:  # appeared meanwhile (non-empty): replace it below
+            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                raise
+    if _exchange(tmp, final):  # the new one is in place; ``tmp`` now holds the old one
+        _fsync_dir(parent)
+        _remove(tmp)
+        return
+    aside = parent / f"{_TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
+    _remove(aside)
+    os.rename(final, aside)
+    os.rename(tmp, final)
+    _fsync_dir(parent)
+    _remove(aside)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _new_tmp_dir(parent: Path, final_name: str) -> Path:
+    tmp = parent / f"{_TMP_PREFIX}{final_name}-{os.getpid()}"
+    _remove(tmp)  # a leftover of this pid (an earlier process with the same pid, or a failure)
+    tmp.mkdir()
+    with _IN_PROGRESS_LOCK:
+        _IN_PROGRESS.add(tmp)
+    return tmp
+
+
+def _done_tmp_dir(tmp: Path) -> None:
+    with _IN_PROGRESS_LOCK:
+        _IN_PROGRESS.discard(tmp)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    except OSError:
+        return True
+    return True
+
+
+def _clean_stale_tmp(directory: Path) -> None:
+    """Delete ``.tmp-*`` leftovers of dead processes (and of this pid, unless being written)."""
+    me = os.getpid()
+    for path in directory.iterdir():
+        if not path.name.startswith(_TMP_PREFIX):
+            continue
+        match = _TMP_PID.search(path.name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        with _IN_PROGRESS_LOCK:
+            busy = path in _IN_PROGRESS
+        if busy or (pid != me and _pid_alive(pid)):
+            continue
+        _remove(path)
+
+
+def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step-*`` entry, newest first."""
+    found = []
+    for path in directory.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    found.sort(key=lambda item: (item[0], item[1].name), reverse=True)
+    return found
+
+
+def _manifest_digest(body: Mapping[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Save, load, find.
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, state: Mapping[str, Any], *,
+                    keep: int | None = 3) -> Path:
+    """Write ``state`` as ``directory/step-<step:09d>/`` atomically; return that path.
+
+    One file per entry of ``state`` (see the module docstring for kinds and layout), a
+    ``manifest.json`` with each file's size and sha256, everything fsynced before the directory
+    gets its final name. An existing checkpoint of the same step is replaced. Afterwards keeps
+    the newest ``keep`` checkpoints by step (always including this one; ``None`` keeps all) and
+    deletes ``.tmp-*`` leftovers of processes that are gone.
+    """
+    directory = _as_path("directory", directory)
+    step = _check_step(step)
+    if keep is not None:
+        if isinstance(keep, bool) or not isinstance(keep, int):
+            raise TypeError(f"keep must be an int or None, got {type(keep).__name__}")
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (this checkpoint is always kept) or None to "
+                             f"keep all, got {keep}")
+    plan = _plan(state)
+    directory.mkdir(parents=True, exist_ok=True)
+    if not directory.is_dir():
+        raise ValueError(f"directory {directory} is not a directory")
+    final = directory / _step_name(step)
+    tmp = _new_tmp_dir(directory, final.name)
+    try:
+        entries = {}
+        for name, kind, value in plan:
+            file = name + _EXTENSIONS[kind]
+            path = tmp / file
+            if kind == "torch":
+                torch.save(value, path)
+            elif kind == "bytes":
+                path.write_bytes(value)
+            else:
+                path.write_bytes(json.dumps(value, ensure_ascii=False, allow_nan=False,
+                                            indent=1).encode("utf-8"))
+            size, sha256 = _fsync_and_hash(path)
+            entries[name] = {"file": file, "kind": kind, "size": size, "sha256": sha256}
+        body = {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "entries": entries}
+        manifest = dict(body, manifest_sha256=_manifest_digest(body))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        _fsync_and_hash(tmp / MANIFEST)
+        _fsync_dir(tmp)
+        _install(tmp, final)
+    except BaseException:
+        _remove(tmp)
+        raise
+    finally:
+        _done_tmp_dir(tmp)
+    if keep is not None:
+        older = [path for s, path in _step_dirs(directory) if path != final]
+        for path in older[keep - 1:]:
+            _remove_atomically(path)
+    _clean_stale_tmp(directory)
+    return final
+
+
+def _read_manifest(path: Path) -> dict:
+    manifest_path = path / MANIFEST
+    try:
+        text = manifest_path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(path, f"{MANIFEST} is missing (checkpoint incomplete)") from None
+    except OSError as error:
+        raise CheckpointError(path, f"{MANIFEST} is unreadable ({error})") from None
+    try:
+        manifest = json.loads(text)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise CheckpointError(path, f"{MANIFEST} is unreadable (not valid JSON: {error}; file "
+                                    f"damaged or partially written)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(path, f"{MANIFEST} is not a checkpoint manifest (expected "
+                                    f"format {FORMAT!r})")
+    version = manifest.get("version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(path, f"{MANIFEST} has unknown format version {version!r}; this "
+                                    f"agentrl_fast reads version {FORMAT_VERSION}")
+    recorded = manifest.pop("manifest_sha256", None)
+    if recorded != _manifest_digest(manifest):
+        raise CheckpointError(path, f"{MANIFEST}: checksum mismatch (file damaged or edited)")
+    step = manifest.get("step")
+    entries = manifest.get("entries")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0 \
+            or not isinstance(entries, dict):
+        raise CheckpointError(path, f"{MANIFEST} is malformed (step or entries)")
+    for name, entry in entries.items():
+        ok = (isinstance(entry, dict) and _NAME.match(name) and name != "manifest"
+              and entry.get("kind") in _EXTENSIONS
+              and entry.get("file") == name + _EXTENSIONS[entry.get("kind")]
+              and type(entry.get("size")) is int and entry["size"] >= 0
+              and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"]))
+        if not ok:
+            raise CheckpointError(path, f"{MANIFEST} has a malformed entry {name!r}: {entry!r}")
+    match = _STEP_DIR.match(path.name)
+    if match and int(match.group(1)) != step:
+        raise CheckpointError(path, f"directory name says step {int(match.group(1))} but "
+                                    f"{MANIFEST} says step {step}")
+    return manifest
+
+
+def _verify(path: Path) -> dict:
+    """The manifest, after checking it and every file's size and sha256."""
+    manifest = _read_manifest(path)
+    entries = manifest["entries"]
+    for entry in entries.values():  # cheap checks first: existence and size
+        file = entry["file"]
+        try:
+            size = os.stat(path / file).st_size
+        except FileNotFoundError:
+            raise CheckpointError(path, f"{file}: missing (listed in {MANIFEST})") from None
+        except OSError as error:
+            raise CheckpointError(path, f"{file}: unreadable ({error})") from None
+        if size != entry["size"]:
+            raise CheckpointError(path, f"{file}: size mismatch: {size} bytes on disk, "
+                                        f"{MANIFEST} says {entry['size']} (file truncated, "
+                                        f"damaged or partially written)")
+    for entry in entries.values():
+        file = entry["file"]
+        try:
+            sha256 = _sha256_file(path / file)
+        except OSError as error:
+            raise CheckpointError(path, f"{file}: unreadable ({error})") from None
+        if sha256 != entry["sha256"]:
+            raise CheckpointError(path, f"{file}: checksum mismatch (file damaged or partially "
+                                        f"written)")
+    return manifest
+
+
+def load_checkpoint(path: str | os.PathLike, *, map_location="cpu") -> tuple[int, dict]:
+    """``(step, state)`` of the checkpoint directory ``path``, verified before deserializing.
+
+    Raises :class:`CheckpointError` naming the file and the problem for a missing or unreadable
+    manifest, an unknown format version, a missing file, a size or sha256 mismatch. Tensors
+    are loaded onto ``map_location`` (default ``"cpu"``; ``None`` keeps the saved devices).
+    """
+    path = _as_path("path", path)
+    if not path.exists():
+        raise CheckpointError(path, "does not exist")
+    if not path.is_dir():
+        raise CheckpointError(path, "is not a directory")
+    manifest = _verify(path)
+    state = {}
+    for name, entry in manifest["entries"].items():
+        file = path / entry["file"]
+        try:
+            if entry["kind"] == "torch":
+                state[name] = torch.load(file, map_location=map_location, weights_only=True)
+            elif entry["kind"] == "bytes":
+                state[name] = file.read_bytes()
+            else:
+                state[name] = json.loads(file.read_bytes())
+        except Exception as error:  # verified, yet unreadable: wrong writer or changed meanwhile
+            raise CheckpointError(path, f"{entry['file']}: verified but cannot be read "
+                                        f"({type(error).__name__}: {error})") from error
+    return manifest["step"], state
+
+
+def latest_checkpoint(directory: str | os.PathLike, *, log: Callable[[str], Any] = print,
+                      map_location="cpu") -> tuple[Path, int, dict] | None:
+    """The newest checkpoint in ``directory`` that verifies: ``(path, step, state)``, or None.
+
+    Checkpoints are tried newest step first; each one that fails verification is skipped (never
+    loaded) with one ``log`` message naming it, the file and the reason. ``.tmp-*`` directories
+    are ignored. A missing ``directory`` gives None (a fresh run).
+    """
+    directory = _as_path("directory", directory)
+    if not callable(log):
+        raise TypeError(f"log must be callable (for example print), got {type(log).__name__}")
+    if not directory.exists():
+        return None
+    if not directory.is_dir():
+        raise ValueError(f"directory {directory} is not a directory")
+    candidates = _step_dirs(directory)
+    for i, (_, path) in enumerate(candidates):
+        try:
+            step, state = load_checkpoint(path, map_location=map_location)
+        except CheckpointError as error:
+            then = "trying an older one" if i + 1 < len(candidates) else "no older checkpoint left"
+            log(f"skipping checkpoint {path}: {error.reason}; {then}")
+            continue
+        return path, step, state
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face export.
+
+
+def export_pretrained(model, directory: str | os.PathLike, tokenizer=None) -> Path:
+    """``model.save_pretrained`` (safetensors) into ``directory``, atomically; return it.
+
+    Written into a temporary sibling ``.tmp-<name>-<pid>``, fsynced, then renamed (an existing
+    export is replaced), so ``directory`` is either the previous export or the complete new one.
+    ``tokenizer`` (optional) is saved alongside with its ``save_pretrained``.
+    """
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise TypeError(f"model must have save_pretrained (a transformers PreTrainedModel), got "
+                        f"{type(model).__name__}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(f"tokenizer must have save_pretrained or be None, got "
+                        f"{type(tokenizer).__name__}")
+    directory = _as_path("directory", directory).absolute()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _new_tmp_dir(directory.parent, directory.name)
+    try:
+        kwargs = {}
+        try:
+            if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+                kwargs["safe_serialization"] = True  # transformers < 5; >= 5 always uses it
+        except (TypeError, ValueError):
+            pass
+        model.save_pretrained(tmp, **kwargs)
+        if not any(tmp.rglob("*.safetensors")):
+            raise ValueError(f"{type(model).__name__}.save_pretrained wrote no .safetensors file "
+                             f"into {tmp}; export needs a model that saves safetensors")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _fsync_tree(tmp)
+        _install(tmp, directory)
+    except BaseException:
+        _remove(tmp)
+        raise
+    finally:
+        _done_tmp_dir(tmp)
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Random number generator states.
+
+
+def rng_state() -> dict:
+    """The states of Python's ``random``, NumPy's global generator, torch's CPU generator and
+    (when CUDA is available) every CUDA device's generator, as a checkpoint entry."""
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state = {
+        "python": random.getstate(),
+        "numpy": {"bit_generator": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore the generators from :func:`rng_state` (as saved and loaded by a checkpoint).
+
+    CUDA states are restored for the devices present (none without CUDA); the others must all be
+    there."""
+    import numpy as np
+
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be the dict from rng_state(), got {type(state).__name__}")
+    missing = [key for key in ("python", "numpy", "torch") if key not in state]
+    unknown = [key for key in state if key not in ("python", "numpy", "torch", "cuda")]
+    if missing or unknown:
+        raise ValueError(f"state is not from rng_state(): missing {missing}, unknown {unknown}; "
+                         f"pass the dict rng_state() returned")
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    saved = state["numpy"]
+    np.random.set_state((saved["bit_generator"],
+                         np.asarray(torch.as_tensor(saved["keys"]).cpu().numpy(), dtype=np.uint32),
+                         int(saved["pos"]), int(saved["has_gauss"]),
+                         float(saved["cached_gaussian"])))
+    torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        for device, cuda_state in enumerate(list(state["cuda"])[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(torch.as_tensor(cuda_state, dtype=torch.uint8).cpu(), device)

@@ -1,0 +1,442 @@
+"""The training loop: token-level PPO with a critic on packed sub-traces (GAE bootstrapped
+across them), and GRPO as the baseline. Reads top to bottom in :meth:`Trainer.step`:
+
+rollouts -> old log-probs, values, reference log-probs on packed micro-batches -> advantages ->
+K epochs x mini-batches of ``ppo_loss`` / ``value_loss`` with ``loss_weights`` of the
+mini-batch -> gradient clipping, AdamW, warmup/decay -> KL controller -> metrics.
+
+Determinism on the CPU: episode seeds derive from (seed, task id, sample index) in the rollout
+engine, the task order and mini-batch order from ``seed``, micro-batching is a function of the
+lengths; nothing reads the clock except the throughput metrics.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from agentrl_fast.harness.chat_format import ChatFormat
+from agentrl_fast.harness.environment import Environment
+from agentrl_fast.harness.generation import TorchGenerator
+from agentrl_fast.harness.memory import MemoryStore
+from agentrl_fast.harness.rollout import RolloutConfig, RolloutEngine, derive_seed, rollout_metrics
+from agentrl_fast.harness.trajectory import SubTrace, Trajectory
+from agentrl_fast.models.attention import use_packed_attention
+from agentrl_fast.models.critic import critic_values, make_critic, policy_logprobs
+from agentrl_fast.ops import loss_weights, ppo_loss, value_loss
+from agentrl_fast.train.advantages import gae_advantages, grpo_advantages, whiten_per_sub_trace
+from agentrl_fast.train.checkpoint import (latest_checkpoint, rng_state, save_checkpoint,
+                                           set_rng_state)
+from agentrl_fast.train.packing import PackedBatch, micro_batches, pack_sub_traces, rollout_index_map
+
+ALGORITHMS = ("ppo", "grpo")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+KL_MODES = ("loss", "reward")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs besides the models and the environment (see the README)."""
+
+    algo: str = "ppo"
+    seed: int = 0
+    steps: int = 10
+    tasks_per_step: int = 8
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    micro_batch_tokens: int = 4096
+    mini_batches: int = 1
+    epochs: int = 1
+    policy_lr: float = 1e-4
+    critic_lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    max_grad_norm: float = 1.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    loss_agg_mode: str | None = None  # default: token-mean (ppo), rollout-mean (grpo)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = None
+    value_clip: float | None = 0.2
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_mode: str = "loss"
+    kl_estimator: str = "k3"
+    kl_target: float | None = None
+    kl_horizon: int = 100
+    tis_cap: float | None = None
+    critic_warmup_steps: int = 0
+    critic_epochs: int = 1
+    grpo_normalize_std: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int | None = 3
+
+    def __post_init__(self):
+        if self.algo not in ALGORITHMS:
+            raise ValueError(f"algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
+                             f"got {self.lr_schedule!r}")
+        if self.kl_mode not in KL_MODES:
+            raise ValueError(f"kl_mode must be one of {', '.join(KL_MODES)}, got {self.kl_mode!r}")
+        for name in ("steps", "tasks_per_step", "micro_batch_tokens", "mini_batches", "epochs",
+                     "critic_epochs", "kl_horizon"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("warmup_steps", "critic_warmup_steps", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("policy_lr", "critic_lr", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef!r}")
+        if self.micro_batch_tokens < self.rollout.context_budget:
+            raise ValueError(f"micro_batch_tokens ({self.micro_batch_tokens}) must be at least "
+                             f"rollout.context_budget ({self.rollout.context_budget}): a "
+                             "sub-trace is never split")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every needs checkpoint_dir")
+        if self.loss_agg_mode is None:
+            self.loss_agg_mode = "rollout-mean" if self.algo == "grpo" else "token-mean"
+
+
+def _lr_lambda(config: TrainConfig):
+    def factor(step: int) -> float:
+        if config.warmup_steps and step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        span = max(config.steps - config.warmup_steps, 1)
+        progress = min(max(step - config.warmup_steps, 0) / span, 1.0)
+        if config.lr_schedule == "linear":
+            return 1.0 - progress
+        if config.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+    return factor
+
+
+class Trainer:
+    """PPO (with a critic) or GRPO for ``policy`` (an HF causal LM) on ``environment``.
+
+    ``critic``: default :func:`~agentrl_fast.models.critic.make_critic` of the policy (PPO
+    only); ``reference``: default a frozen copy of the policy at the start, when ``kl_coef > 0``.
+    The policy samples rollouts through :class:`TorchGenerator` and trains on packed batches.
+    """
+
+    def __init__(self, policy: torch.nn.Module, chat_format: ChatFormat,
+                 environment: Environment, config: TrainConfig,
+                 critic: torch.nn.Module | None = None, reference: torch.nn.Module | None = None,
+                 memory: MemoryStore | None = None, log=print):
+        self.config, self.chat_format, self.environment, self.log = config, chat_format, environment, log
+        self.policy = use_packed_attention(policy)  # training forwards are packed
+        torch.manual_seed(config.seed)
+        use_ppo = config.algo == "ppo"
+        self.critic = (critic if critic is not None else make_critic(policy)) if use_ppo else None
+        if self.critic is not None:
+            use_packed_attention(self.critic)
+        self.reference = reference
+        if self.reference is None and config.kl_coef > 0:
+            self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
+        if self.reference is not None:
+            use_packed_attention(self.reference)
+        self.memory = memory if memory is not None else MemoryStore()
+        pad_id = chat_format.tokenizer.pad_token_id
+        self.engine = RolloutEngine(TorchGenerator(policy, pad_id=0 if pad_id is None else pad_id),
+                                    chat_format, environment, config.rollout, memory=self.memory)
+        self.temperature = config.rollout.sampling.temperature or 1.0
+        self.policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=config.policy_lr,
+                                                  weight_decay=config.weight_decay)
+        self.policy_scheduler = torch.optim.lr_scheduler.LambdaLR(self.policy_optimizer,
+                                                                  _lr_lambda(config))
+        self.critic_optimizer = self.critic_scheduler = None
+        if self.critic is not None:
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.critic_lr,
+                                                      weight_decay=config.weight_decay)
+            self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer,
+                                                                      _lr_lambda(config))
+        self.kl_coef = config.kl_coef
+        self.step_index = 0
+        self.data_position = 0
+        self.tasks = list(environment.tasks("train"))
+        if config.checkpoint_dir:
+            self._resume()
+
+    # -- data -----------------------------------------------------------------------------------
+
+    def _next_tasks(self):
+        count, chosen = len(self.tasks), []
+        for _ in range(self.config.tasks_per_step):
+            epoch, offset = divmod(self.data_position, count)
+            order = torch.randperm(count, generator=torch.Generator().manual_seed(
+                derive_seed(self.config.seed, "tasks", epoch)))
+            chosen.append(self.tasks[int(order[offset])])
+            self.data_position += 1
+        return chosen
+
+    # -- packed forward passes ------------------------------------------------------------------
+
+    def _plan(self, sub_traces: Sequence[SubTrace], indices: Sequence[int]) -> list[list[int]]:
+        lengths = [len(sub_traces[i]) for i in indices]
+        return [[indices[j] for j in group]
+                for group in micro_batches(lengths, self.config.micro_batch_tokens)]
+
+    @torch.no_grad()
+    def _score(self, sub_traces: Sequence[SubTrace], rollout_index):
+        """Per sub-trace: old log-probs, reference log-probs, values, last values."""
+        n = len(sub_traces)
+        old, ref, values = [None] * n, [None] * n, [None] * n
+        last = torch.zeros(n)
+        for group in self._plan(sub_traces, list(range(n))):
+            batch = pack_sub_traces(sub_traces, group, rollout_index)
+            inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+            for i, lp in zip(group, batch.split(policy_logprobs(self.policy, *inputs,
+                                                                temperature=self.temperature))):
+                old[i] = lp
+            if self.reference is not None:
+                for i, lp in zip(group, batch.split(policy_logprobs(
+                        self.reference, *inputs, temperature=self.temperature))):
+                    ref[i] = lp
+            if self.critic is not None:
+                v, v_last = critic_values(self.critic, *inputs)
+                for k, (i, vi) in enumerate(zip(group, batch.split(v))):
+                    values[i], last[i] = vi, v_last[k]
+        return old, ref, values, last
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def step(self) -> dict[str, float]:
+        config, start = self.config, time.perf_counter()
+        tasks = self._next_tasks()
+        self.policy.eval()
+        trajectories = self.engine.run(tasks, seed=derive_seed(config.seed, "step",
+                                                               self.step_index))
+        rollout_seconds = time.perf_counter() - start
+        sub_traces = [s for t in trajectories for s in t.sub_traces]
+        rollout_index = rollout_index_map(sub_traces)
+        old, ref, values, last = self._score(sub_traces, rollout_index)
+        metrics = dict(rollout_metrics(trajectories))
+        metrics.update(self._mismatch(sub_traces, old))
+        rewards = [torch.tensor(s.rewards) for s in sub_traces]
+        if self.reference is not None:
+            kl = [((o - r) * torch.tensor(s.action_mask, dtype=torch.float32))
+                  for s, o, r in zip(sub_traces, old, ref)]
+            action_tokens = max(sum(s.num_action_tokens for s in sub_traces), 1)
+            metrics["kl_ref"] = float(sum(k.sum() for k in kl)) / action_tokens
+            if config.kl_mode == "reward":
+                rewards = [r - self.kl_coef * k for r, k in zip(rewards, kl)]
+        if config.algo == "ppo":
+            advantages, returns = gae_advantages(sub_traces, values, last, gamma=config.gamma,
+                                                 lam=config.lam, rewards=rewards)
+            if config.whiten_advantages:
+                advantages = whiten_per_sub_trace(advantages, sub_traces)
+        else:
+            advantages, returns = grpo_advantages(trajectories,
+                                                  normalize_std=config.grpo_normalize_std), None
+        metrics.update(self._update(sub_traces, rollout_index, old, ref, values, advantages,
+                                    returns))
+        self._control_kl(metrics.get("kl_ref"))
+        if self.step_index >= config.critic_warmup_steps:  # the policy stepped
+            self.policy_scheduler.step()
+        if self.critic_scheduler is not None:
+            self.critic_scheduler.step()
+        self.step_index += 1
+        metrics.update(step=self.step_index, kl_coef=self.kl_coef,
+                       policy_lr=self.policy_scheduler.get_last_lr()[0],
+                       rollout_seconds=rollout_seconds,
+                       tokens_per_second=sum(len(s) for s in sub_traces)
+                       / max(time.perf_counter() - start, 1e-9))
+        if config.checkpoint_every and self.step_index % config.checkpoint_every == 0:
+            self.save_checkpoint()
+        return metrics
+
+    def _mismatch(self, sub_traces, old) -> dict[str, float]:
+        """Rollout vs trainer log-probs on action tokens (measured every step)."""
+        diffs = [(torch.tensor(s.logprobs) - o)[torch.tensor(s.action_mask, dtype=torch.bool)]
+                 for s, o in zip(sub_traces, old)]
+        diff = torch.cat(diffs) if diffs else torch.zeros(0)
+        if diff.numel() == 0:
+            return {"logprob_mismatch_mean": 0.0, "logprob_mismatch_max": 0.0}
+        return {"logprob_mismatch_mean": float(diff.abs().mean()),
+                "logprob_mismatch_max": float(diff.abs().max())}
+
+    def _mini_batches(self, num_rollouts: int, epoch: int) -> list[list[int]]:
+        order = torch.randperm(num_rollouts, generator=torch.Generator().manual_seed(
+            derive_seed(self.config.seed, "minibatch", self.step_index, epoch))).tolist()
+        size = math.ceil(num_rollouts / self.config.mini_batches)
+        return [order[i:i + size] for i in range(0, num_rollouts, size)]
+
+    def _update(self, sub_traces, rollout_index, old, ref, values, advantages, returns):
+        config = self.config
+        by_rollout: dict[int, list[int]] = {}
+        for i, s in enumerate(sub_traces):
+            by_rollout.setdefault(rollout_index[s.rollout_id], []).append(i)
+        rollouts = sorted(by_rollout)
+        train_policy = self.step_index >= config.critic_warmup_steps
+        totals: Counter = Counter()
+        updates = 0
+        for epoch in range(config.epochs):
+            for group in self._mini_batches(len(rollouts), epoch):
+                indices = sorted(i for r in group for i in by_rollout[rollouts[r]])
+                if not any(sub_traces[i].num_action_tokens for i in indices):
+                    continue
+                if train_policy:
+                    totals.update(self._policy_update(sub_traces, indices, rollout_index, old, ref,
+                                                      advantages))
+                if self.critic is not None:
+                    for _ in range(config.critic_epochs):
+                        totals.update(self._critic_update(sub_traces, indices, rollout_index,
+                                                          values, returns))
+                updates += 1
+        return {key: value / max(updates, 1) for key, value in totals.items()}
+
+    def _weights(self, sub_traces, indices, rollout_index) -> list[torch.Tensor]:
+        """``loss_weights`` of the mini-batch, split per sub-trace."""
+        whole = pack_sub_traces(sub_traces, indices, rollout_index)
+        weights = loss_weights(self.config.loss_agg_mode, whole.action_mask, whole.cu_seqlens,
+                               whole.rollout_index)
+        return dict(zip(indices, whole.split(weights)))
+
+    def _policy_update(self, sub_traces, indices, rollout_index, old, ref, advantages):
+        config = self.config
+        self.policy.train()
+        weights = self._weights(sub_traces, indices, rollout_index)
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        totals: Counter = Counter()
+        for group in self._plan(sub_traces, indices):
+            batch = pack_sub_traces(sub_traces, group, rollout_index)
+            pick = batch.gather  # per-sub-trace tensors of the global batch -> [T]
+            logp, entropy = policy_logprobs(self.policy, batch.input_ids, batch.position_ids,
+                                            batch.cu_seqlens, batch.max_seqlen,
+                                            temperature=self.temperature, return_entropy=True)
+            use_ref = self.reference is not None and config.kl_mode == "loss"
+            loss, metrics = ppo_loss(
+                logp, pick(old), pick(advantages), batch.action_mask,
+                token_weights=pick(weights), clip_low=config.clip_low, clip_high=config.clip_high,
+                dual_clip=config.dual_clip, ref_logprobs=pick(ref) if use_ref else None,
+                kl_coef=self.kl_coef if use_ref else 0.0, kl_estimator=config.kl_estimator,
+                entropy=entropy, entropy_coef=config.entropy_coef,
+                rollout_logprobs=batch.rollout_logprobs if config.tis_cap else None,
+                tis_cap=config.tis_cap)
+            loss.backward()
+            share = batch.action_mask.sum().item()
+            totals["policy_loss"] += loss.item()
+            per_token = {"clipfrac": metrics["pg_clipfrac_upper"] + metrics["pg_clipfrac_lower"],
+                         "approx_kl": metrics["approx_kl"], "entropy": metrics["entropy_mean"]}
+            for key, value in per_token.items():
+                totals[f"_{key}"] += float(value) * share
+            totals["_ratio_max"] = max(totals["_ratio_max"], float(metrics["ratio_max"]))
+            totals["_action_tokens"] += share
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm)
+        self.policy_optimizer.step()
+        tokens = max(totals.pop("_action_tokens"), 1)
+        out = Counter({"policy_loss": totals["policy_loss"], "policy_grad_norm": float(norm),
+                       "ratio_max": totals["_ratio_max"]})
+        for key in ("clipfrac", "approx_kl", "entropy"):
+            if f"_{key}" in totals:
+                out[key] = totals[f"_{key}"] / tokens
+        return out
+
+    def _critic_update(self, sub_traces, indices, rollout_index, values, returns):
+        config = self.config
+        self.critic.train()
+        weights = self._weights(sub_traces, indices, rollout_index)
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        total, clipped, tokens = 0.0, 0.0, 0
+        for group in self._plan(sub_traces, indices):
+            batch = pack_sub_traces(sub_traces, group, rollout_index)
+            pick = batch.gather  # per-sub-trace tensors of the global batch -> [T]
+            v, _ = critic_values(self.critic, batch.input_ids, batch.position_ids,
+                                 batch.cu_seqlens, batch.max_seqlen)
+            loss, metrics = value_loss(v, pick(values), pick(returns), batch.action_mask,
+                                       clip=config.value_clip, token_weights=pick(weights))
+            loss.backward()
+            share = int(batch.action_mask.sum())
+            total += loss.item()
+            clipped += float(metrics["vf_clipfrac"]) * share
+            tokens += share
+        norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), config.max_grad_norm)
+        self.critic_optimizer.step()
+        return Counter({"value_loss": total / config.critic_epochs,
+                        "value_clipfrac": clipped / max(tokens, 1) / config.critic_epochs,
+                        "critic_grad_norm": float(norm) / config.critic_epochs})
+
+    def _control_kl(self, kl: float | None) -> None:
+        """Adaptive KL coefficient (Ziegler et al.): move towards ``kl_target``."""
+        config = self.config
+        if config.kl_target is None or kl is None or self.kl_coef == 0:
+            return
+        error = max(min(kl / config.kl_target - 1.0, 0.2), -0.2)
+        self.kl_coef *= 1.0 + error * config.tasks_per_step / config.kl_horizon
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        state = {"policy": self.policy.state_dict(),
+                 "policy_optimizer": self.policy_optimizer.state_dict(),
+                 "policy_scheduler": self.policy_scheduler.state_dict(),
+                 "trainer": {"step": self.step_index, "data_position": self.data_position,
+                             "kl_coef": self.kl_coef},
+                 "rng": rng_state(),
+                 "memory": self.memory.snapshot()}
+        if self.critic is not None:
+            state.update(critic=self.critic.state_dict(),
+                         critic_optimizer=self.critic_optimizer.state_dict(),
+                         critic_scheduler=self.critic_scheduler.state_dict())
+        if self.reference is not None:
+            state["reference"] = self.reference.state_dict()
+        return state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.policy_optimizer.load_state_dict(state["policy_optimizer"])
+        self.policy_scheduler.load_state_dict(state["policy_scheduler"])
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+            self.critic_scheduler.load_state_dict(state["critic_scheduler"])
+        if self.reference is not None and "reference" in state:
+            self.reference.load_state_dict(state["reference"])
+        trainer = state["trainer"]
+        self.step_index, self.data_position = trainer["step"], trainer["data_position"]
+        self.kl_coef = trainer["kl_coef"]
+        self.memory.restore(state["memory"])
+        set_rng_state(state["rng"])
+
+    def save_checkpoint(self) -> Path:
+        return save_checkpoint(self.config.checkpoint_dir, self.step_index, self.state(),
+                               keep=self.config.keep_checkpoints)
+
+    def _resume(self) -> None:
+        found = latest_checkpoint(self.config.checkpoint_dir, log=self.log)
+        if found is None:
+            return
+        path, step, state = found
+        self.load_state(state)
+        self.log(f"resumed from {path} (step {step})")
+
+    def train(self, steps: int | None = None, callback=None) -> list[dict[str, float]]:
+        """Run until ``steps`` (default ``config.steps``) steps are done; returns the metrics of
+        the steps run now."""
+        history = []
+        while self.step_index < (steps if steps is not None else self.config.steps):
+            metrics = self.step()
+            history.append(metrics)
+            if callback is not None:
+                callback(metrics)
+        return history

@@ -1,0 +1,295 @@
+"""The trainer on the tiny default model: rollout and trainer see identical tokens (ratio starts
+at 1), GAE chained across sub-traces against a float64 reference, PPO and GRPO steps that
+learn, and kill -9 + resume reproducing an uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl_fast.harness import (ChatFormat, RolloutConfig, SamplingParams, SubTrace,
+                                  VaultEnvironment, build_tokenizer)
+from agentrl_fast.models.tiny import tiny_qwen3
+from agentrl_fast.train import TrainConfig, Trainer, bootstrap_values, gae_advantages
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ParityVaultEnvironment(VaultEnvironment):
+    """The vault environment with a reward a random policy gets half the time (the parity of its
+    final answer's length), so advantages are not all zero from the first step."""
+
+    def start(self, task, memory, seed):
+        episode = super().start(task, memory, seed)
+        finish = episode.finish
+
+        def parity_finish(answer):
+            finish(answer)
+            episode.reward = float(len(answer or "x") % 2)
+            return episode.reward
+        episode.finish = parity_finish
+        return episode
+
+
+@pytest.fixture(scope="module")
+def chat():
+    env = VaultEnvironment()
+    return ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
+
+
+def policy_for(chat, seed=0):
+    """The tiny Qwen3, LM head biased to the stop tokens so turns are short and varied."""
+    model = tiny_qwen3(len(chat.tokenizer), seed=seed)
+    head = torch.nn.Linear(64, len(chat.tokenizer), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[chat.tool_call_close_id] = 4.0
+        head.bias[chat.im_end_id] = 3.0
+    model.lm_head = head
+    return model
+
+
+def train_config(**overrides):
+    base = dict(steps=2, tasks_per_step=3, micro_batch_tokens=512, mini_batches=2, epochs=2,
+                policy_lr=1e-3, critic_lr=1e-2, kl_coef=0.05,
+                rollout=RolloutConfig(samples_per_task=3, context_budget=240, max_turns=6,
+                                      summary_chars=100,
+                                      sampling=SamplingParams(temperature=0.9, top_p=0.95,
+                                                              max_new_tokens=20)))
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def test_first_step_ratio_is_one_rollout_and_trainer_see_the_same_tokens(chat):
+    trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), train_config(steps=1))
+    metrics = trainer.step()
+    assert metrics["logprob_mismatch_max"] < 1e-4
+    assert metrics["sub_traces"] >= 1 and metrics["turns"] > 1
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_a_few_steps_learn(chat, algo):
+    policy = policy_for(chat)
+    trainer = Trainer(policy, chat, ParityVaultEnvironment(), train_config(algo=algo))
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    history = trainer.train()
+    assert len(history) == 2
+    for metrics in history:
+        for key in ("policy_loss", "approx_kl", "clipfrac", "kl_ref", "entropy"):
+            assert key in metrics and torch.isfinite(torch.tensor(metrics[key])), key
+        if algo == "ppo":
+            assert torch.isfinite(torch.tensor(metrics["value_loss"]))
+    changed = [k for k, v in policy.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "no parameter changed"
+    assert history[-1]["kl_ref"] != 0.0  # the policy moved away from the reference
+    assert (trainer.critic is None) == (algo == "grpo")
+
+
+def test_critic_warmup_trains_only_the_critic(chat):
+    policy = policy_for(chat)
+    trainer = Trainer(policy, chat, ParityVaultEnvironment(),
+                      train_config(steps=1, critic_warmup_steps=1, kl_coef=0.0))
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    critic_before = {k: v.clone() for k, v in trainer.critic.state_dict().items()}
+    trainer.train()
+    assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+    assert any(not torch.equal(v, critic_before[k]) for k, v in trainer.critic.state_dict().items())
+
+
+# ---------------------------------------------------------------------------------------------
+# GAE chained across sub-traces.
+
+def make_sub_trace(rollout_id, index, mask, rewards, end):
+    s = SubTrace(rollout_id, index=index)
+    s.append_context([1])
+    for m, r in zip(mask, rewards):
+        if m:
+            s.append_action([2], [-0.5])
+            s.rewards[-1] = r
+        else:
+            s.append_context([3])
+    s.close(end)
+    return s
+
+
+def reference_chained_gae(rollout_subs, values, last_values, gamma, lam):
+    """Float64, over the unsplit trajectory (all action tokens of the rollout in order) with the
+    same compaction points: at the last action token of a continued sub-trace, the next value is
+    V at the next sub-trace's first action token and the GAE sum restarts (A_next = 0)."""
+    steps = []  # (sub-trace, position, reward, value)
+    for k, s in enumerate(rollout_subs):
+        for t, m in enumerate(s.action_mask):
+            if m:
+                steps.append((k, t, float(s.rewards[t]), float(values[k][t])))
+    advantages = {}
+    next_value, next_advantage = None, 0.0
+    for i in range(len(steps) - 1, -1, -1):
+        k, t, r, v = steps[i]
+        last_of_sub = i == len(steps) - 1 or steps[i + 1][0] != k
+        if last_of_sub:
+            s = rollout_subs[k]
+            if s.end == "terminal":
+                bootstrap = 0.0
+            elif s.end == "truncated":
+                bootstrap = float(last_values[k])
+            else:
+                bootstrap = steps[i + 1][3]
+            next_value, next_advantage = bootstrap, 0.0
+        delta = r + gamma * next_value - v
+        advantages[(k, t)] = delta + gamma * lam * next_advantage
+        next_value, next_advantage = v, advantages[(k, t)]
+    return advantages
+
+
+@pytest.mark.parametrize("last_end", ["terminal", "truncated"])
+def test_gae_chains_across_sub_traces(last_end):
+    generator = torch.Generator().manual_seed(5)
+    masks = [[1, 0, 1, 1], [0, 0], [1, 1, 0, 1, 0], [0, 1]]  # the second has no action token
+    ends = ["continued", "continued", "continued", last_end]
+    subs = []
+    for k, (mask, end) in enumerate(zip(masks, ends)):
+        rewards = [float(torch.rand(1, generator=generator)) if m else 0.0 for m in mask]
+        subs.append(make_sub_trace("r", k, mask, rewards, end))
+    other = make_sub_trace("q", 0, [1, 1], [1.0, 0.0], "terminal")  # another rollout in between
+    batch = subs[:2] + [other] + subs[2:]
+    values = [torch.randn(len(s), generator=generator) for s in batch]
+    last = torch.randn(len(batch), generator=generator)
+    gamma, lam = 0.97, 0.9
+    advantages, returns = gae_advantages(batch, values, last, gamma=gamma, lam=lam)
+    rollout_positions = [0, 1, 3, 4]
+    expected = reference_chained_gae([batch[i] for i in rollout_positions],
+                                     [values[i] for i in rollout_positions],
+                                     last[rollout_positions], gamma, lam)
+    for k, i in enumerate(rollout_positions):
+        for t, m in enumerate(batch[i].action_mask):
+            if m:
+                assert advantages[i][t].item() == pytest.approx(expected[(k, t)], abs=1e-5)
+                assert returns[i][t].item() == pytest.approx(expected[(k, t)] + float(values[i][t]),
+                                                              abs=1e-5)
+            else:
+                assert advantages[i][t].item() == 0.0
+    bootstrap = bootstrap_values(batch, values, last)
+    # continued -> V at the first action token of the next sub-trace with one (skipping index 1)
+    assert bootstrap[0].item() == pytest.approx(values[3][1].item())
+    assert bootstrap[1].item() == pytest.approx(values[3][1].item())
+    assert bootstrap[4].item() == pytest.approx(0.0 if last_end == "terminal" else last[4].item())
+
+
+def test_gae_needs_whole_rollouts():
+    subs = [make_sub_trace("r", 0, [1], [1.0], "continued")]
+    with pytest.raises(ValueError, match="lacks sub-trace #1 of its rollout"):
+        bootstrap_values(subs, [torch.zeros(2)], torch.zeros(1))
+
+
+def test_config_errors():
+    for overrides, fragment in [({"algo": "dpo"}, "algo must be one of ppo, grpo"),
+                                ({"micro_batch_tokens": 100}, "micro_batch_tokens (100) must be"),
+                                ({"gamma": 1.5}, "gamma must be in [0, 1]"),
+                                ({"checkpoint_every": 2}, "checkpoint_every needs checkpoint_dir"),
+                                ({"epochs": 0}, "epochs must be an int >= 1")]:
+        with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")
+                           .replace("[", r"\[").replace("]", r"\]")):
+            train_config(**overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kill -9 and resume.
+
+TRAIN_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {tests!r})
+    torch.set_num_threads(1)
+    from test_train import ParityVaultEnvironment, chat_format, policy_for, train_config
+    from agentrl_fast.train import Trainer
+    chat = chat_format()
+    steps, checkpoint_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(),
+                      train_config(steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=1))
+    with open(out, "a") as log:
+        for metrics in trainer.train():
+            log.write(json.dumps(metrics) + "\\n")
+            log.flush()
+    torch.save(trainer.policy.state_dict(), out + ".policy.pt")
+    torch.save(trainer.critic.state_dict(), out + ".critic.pt")
+""")
+
+
+def chat_format():
+    env = VaultEnvironment()
+    return ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
+
+
+DETERMINISTIC = ("reward", "policy_loss", "value_loss", "kl_ref", "approx_kl", "tokens",
+                 "logprob_mismatch_max", "step")
+
+
+def run_training(tmp, name, steps, kill_after_lines=None):
+    script = tmp / "train.py"
+    script.write_text(TRAIN_SCRIPT.format(tests=str(ROOT / "tests")))
+    out = tmp / f"{name}.jsonl"
+    args = [sys.executable, str(script), str(steps), str(tmp / f"{name}-ckpt"), str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if kill_after_lines is None:
+        result = subprocess.run(args, check=True, cwd=ROOT, env=env, timeout=300,
+                                capture_output=True, text=True)
+        (tmp / f"{name}.stdout").write_text(result.stdout)
+        return out
+    process = subprocess.Popen(args, cwd=ROOT, env=env)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        lines = out.read_text().count("\n") if out.exists() else 0
+        if lines >= kill_after_lines:
+            time.sleep(0.3)  # into the next step
+            break
+        if process.poll() is not None:
+            pytest.fail("training finished before it could be killed")
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    return out
+
+
+@pytest.mark.slow
+def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
+    import json
+    steps = 4
+    straight = run_training(tmp_path, "straight", steps)
+    killed = run_training(tmp_path, "killed", steps, kill_after_lines=2)
+    resumed = run_training(tmp_path, "killed", steps)  # same checkpoint dir and log: resumes
+    rows = lambda path: {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+    expected, got = rows(straight), rows(resumed)
+    # One line per step: the resumed process continued after the killed one, it did not redo
+    # the run from the start.
+    assert [json.loads(line)["step"] for line in resumed.read_text().splitlines()] == list(
+        range(1, steps + 1))
+    assert "resumed from" in (tmp_path / "killed.stdout").read_text()
+    for step in range(1, steps + 1):
+        for key in DETERMINISTIC:
+            assert got[step][key] == expected[step][key], (step, key)
+    for part in ("policy", "critic"):
+        a = torch.load(f"{straight}.{part}.pt")
+        b = torch.load(f"{resumed}.{part}.pt")
+        assert all(torch.equal(a[k], b[k]) for k in a), part
+    del killed
+
+
+def test_damaged_latest_checkpoint_is_skipped_with_a_message(tmp_path, chat):
+    config = train_config(steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config).train()
+    newest = sorted(tmp_path.glob("step-*"))[-1]
+    damaged = newest / "policy.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    messages = []
+    resumed = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config,
+                      log=messages.append)
+    assert resumed.step_index == 1
+    assert any(str(newest) in m and "policy.pt" in m for m in messages), messages
+    assert any("resumed from" in m and "step-000000001" in m for m in messages), messages
