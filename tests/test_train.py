@@ -74,10 +74,12 @@ def test_first_step_ratio_is_one_rollout_and_trainer_see_the_same_tokens(chat):
     assert metrics["sub_traces"] >= 1 and metrics["turns"] > 1
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_a_few_steps_learn(chat, algo):
+@pytest.mark.parametrize("algo, critic", [("ppo", "separate"), ("ppo", "shared"),
+                                           ("grpo", "separate")])
+def test_a_few_steps_learn(chat, algo, critic):
     policy = policy_for(chat)
-    trainer = Trainer(policy, chat, ParityVaultEnvironment(), train_config(algo=algo))
+    trainer = Trainer(policy, chat, ParityVaultEnvironment(), train_config(algo=algo,
+                                                                           critic=critic))
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     history = trainer.train()
     assert len(history) == 2
@@ -89,7 +91,10 @@ def test_a_few_steps_learn(chat, algo):
     changed = [k for k, v in policy.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "no parameter changed"
     assert history[-1]["kl_ref"] != 0.0  # the policy moved away from the reference
-    assert (trainer.critic is None) == (algo == "grpo")
+    assert (trainer.critic is None) == (algo == "grpo" or critic == "shared")
+    assert (trainer.value_head is not None) == (algo == "ppo" and critic == "shared")
+    if trainer.value_head is not None:
+        assert trainer.value_head.score.weight.abs().sum() > 0  # the shared head learned
 
 
 def test_critic_warmup_trains_only_the_critic(chat):

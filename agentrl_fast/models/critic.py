@@ -59,30 +59,60 @@ def _as_packed(model: torch.nn.Module) -> torch.nn.Module:
 
 def policy_logprobs(policy: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                     cu_seqlens: torch.Tensor, max_seqlen: int, *, temperature: float = 1.0,
-                    return_entropy: bool = False):
-    """``logp [T]`` float32 (and ``entropy [T]``) of each token under ``policy`` (an HF causal
-    LM on packed attention) at ``temperature``; 0 at each sequence's first token.
-    ``input_ids``/``position_ids`` ``[1, T]``."""
+                    return_entropy: bool = False, return_hidden: bool = False):
+    """``logp [T]`` float32 (then ``entropy [T]`` with ``return_entropy``, then the backbone's
+    last hidden states ``[T, H]`` with ``return_hidden``, for a shared value head) of each token
+    under ``policy`` (an HF causal LM on packed attention) at ``temperature``; 0 at each
+    sequence's first token. ``input_ids``/``position_ids`` ``[1, T]``."""
     head = policy.get_output_embeddings()
     backbone = getattr(policy, getattr(policy, "base_model_prefix", "model"), None)
     labels = next_token_labels(input_ids[0], cu_seqlens)
-    fused = (backbone is not None and isinstance(head, torch.nn.Linear) and head.bias is None
-             and getattr(policy.config, "logit_scale", None) is None
-             and getattr(policy.config, "final_logit_softcapping", None) is None)
-    if fused:
+    plain_head = (backbone is not None and isinstance(head, torch.nn.Linear)
+                  and getattr(policy.config, "logit_scale", None) is None
+                  and getattr(policy.config, "final_logit_softcapping", None) is None)
+    hidden = None
+    if plain_head:
         hidden = packed_forward(backbone, input_ids, position_ids, cu_seqlens, max_seqlen,
                                 validate=False).last_hidden_state[0]
-        out = linear_token_logprobs(hidden, head.weight.to(hidden.dtype), labels,
-                                    temperature=temperature, return_entropy=return_entropy)
+        if head.bias is None:  # fused: the [T, V] logits never exist at once
+            out = linear_token_logprobs(hidden, head.weight.to(hidden.dtype), labels,
+                                        temperature=temperature, return_entropy=return_entropy)
+        else:
+            out = token_logprobs(head(hidden), labels, temperature=temperature,
+                                 return_entropy=return_entropy)
     else:
+        if return_hidden:
+            raise ValueError("return_hidden needs a linear LM head without logit scaling or "
+                             "softcapping (a shared value head reads the backbone's hidden states)")
         logits = packed_forward(policy, input_ids, position_ids, cu_seqlens, max_seqlen,
                                 validate=False).logits[0]
         out = token_logprobs(logits, labels, temperature=temperature,
                              return_entropy=return_entropy)
-    if return_entropy:
-        logp, entropy = out
-        return rows_to_tokens(logp, cu_seqlens), rows_to_tokens(entropy, cu_seqlens)
-    return rows_to_tokens(out, cu_seqlens)
+    out = list(out) if return_entropy else [out]
+    out = [rows_to_tokens(x, cu_seqlens) for x in out] + ([hidden] if return_hidden else [])
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+class ValueHead(torch.nn.Module):
+    """A scalar value head on a policy's hidden states (the shared-backbone critic); zero at
+    initialisation, so the first values are 0."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.score = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.score.weight)
+        torch.nn.init.zeros_(self.score.bias)
+
+    def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor):
+        """``hidden [T, H]`` -> ``(values [T], last_values [B])`` as :func:`critic_values`."""
+        return _values_from_rows(self.score(hidden)[:, 0].float(), cu_seqlens)
+
+
+def _values_from_rows(raw: torch.Tensor, cu_seqlens: torch.Tensor):
+    nonempty = cu_seqlens[1:] > cu_seqlens[:-1]
+    last = torch.zeros(cu_seqlens.numel() - 1, dtype=raw.dtype, device=raw.device)
+    last[nonempty] = raw[cu_seqlens[1:].long()[nonempty] - 1]
+    return rows_to_tokens(raw, cu_seqlens), last
 
 
 def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -91,10 +121,7 @@ def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, position_ids
     first token) and the value after each sequence's last token (0 for an empty sequence)."""
     raw = packed_forward(critic, input_ids, position_ids, cu_seqlens, max_seqlen,
                          validate=False).logits[0, :, 0].float()
-    nonempty = cu_seqlens[1:] > cu_seqlens[:-1]
-    last = torch.zeros(cu_seqlens.numel() - 1, dtype=raw.dtype, device=raw.device)
-    last[nonempty] = raw[cu_seqlens[1:].long()[nonempty] - 1]
-    return rows_to_tokens(raw, cu_seqlens), last
+    return _values_from_rows(raw, cu_seqlens)
 
 
 def make_critic(policy: torch.nn.Module) -> torch.nn.Module:

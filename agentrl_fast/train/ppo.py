@@ -30,7 +30,7 @@ from agentrl_fast.harness.memory import MemoryStore
 from agentrl_fast.harness.rollout import RolloutConfig, RolloutEngine, derive_seed, rollout_metrics
 from agentrl_fast.harness.trajectory import SubTrace, Trajectory
 from agentrl_fast.models.attention import use_packed_attention
-from agentrl_fast.models.critic import critic_values, make_critic, policy_logprobs
+from agentrl_fast.models.critic import ValueHead, critic_values, make_critic, policy_logprobs
 from agentrl_fast.ops import loss_weights, ppo_loss, value_loss
 from agentrl_fast.train.advantages import gae_advantages, grpo_advantages, whiten_per_sub_trace
 from agentrl_fast.train.checkpoint import (latest_checkpoint, rng_state, save_checkpoint,
@@ -38,6 +38,7 @@ from agentrl_fast.train.checkpoint import (latest_checkpoint, rng_state, save_ch
 from agentrl_fast.train.packing import PackedBatch, micro_batches, pack_sub_traces, rollout_index_map
 
 ALGORITHMS = ("ppo", "grpo")
+CRITICS = ("separate", "shared")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 KL_MODES = ("loss", "reward")
 
@@ -75,6 +76,8 @@ class TrainConfig:
     kl_target: float | None = None
     kl_horizon: int = 100
     tis_cap: float | None = None
+    critic: str = "separate"
+    value_coef: float = 0.5
     critic_warmup_steps: int = 0
     critic_epochs: int = 1
     grpo_normalize_std: bool = True
@@ -85,6 +88,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.algo not in ALGORITHMS:
             raise ValueError(f"algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}")
+        if self.critic not in CRITICS:
+            raise ValueError(f"critic must be one of {', '.join(CRITICS)}, got {self.critic!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"got {self.lr_schedule!r}")
@@ -134,8 +139,10 @@ def _lr_lambda(config: TrainConfig):
 class Trainer:
     """PPO (with a critic) or GRPO for ``policy`` (an HF causal LM) on ``environment``.
 
-    ``critic``: default :func:`~agentrl_fast.models.critic.make_critic` of the policy (PPO
-    only); ``reference``: default a frozen copy of the policy at the start, when ``kl_coef > 0``.
+    ``critic``: default :func:`~agentrl_fast.models.critic.make_critic` of the policy (PPO,
+    ``config.critic == "separate"``); with ``"shared"`` a :class:`ValueHead` on the policy's
+    backbone, trained with the policy in one backward (``pg + value_coef * value loss``).
+    ``reference``: default a frozen copy of the policy at the start, when ``kl_coef > 0``.
     The policy samples rollouts through :class:`TorchGenerator` and trains on packed batches.
     """
 
@@ -147,7 +154,15 @@ class Trainer:
         self.policy = use_packed_attention(policy)  # training forwards are packed
         torch.manual_seed(config.seed)
         use_ppo = config.algo == "ppo"
-        self.critic = (critic if critic is not None else make_critic(policy)) if use_ppo else None
+        shared = use_ppo and config.critic == "shared"
+        self.value_head = None
+        if shared:
+            parameter = next(policy.parameters())
+            self.value_head = ValueHead(policy.config.hidden_size).to(parameter.device,
+                                                                      parameter.dtype)
+        self.critic = None
+        if use_ppo and not shared:
+            self.critic = critic if critic is not None else make_critic(policy)
         if self.critic is not None:
             use_packed_attention(self.critic)
         self.reference = reference
@@ -160,8 +175,10 @@ class Trainer:
         self.engine = RolloutEngine(TorchGenerator(policy, pad_id=0 if pad_id is None else pad_id),
                                     chat_format, environment, config.rollout, memory=self.memory)
         self.temperature = config.rollout.sampling.temperature or 1.0
-        self.policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=config.policy_lr,
-                                                  weight_decay=config.weight_decay)
+        groups = [{"params": list(policy.parameters()), "lr": config.policy_lr}]
+        if self.value_head is not None:
+            groups.append({"params": list(self.value_head.parameters()), "lr": config.critic_lr})
+        self.policy_optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay)
         self.policy_scheduler = torch.optim.lr_scheduler.LambdaLR(self.policy_optimizer,
                                                                   _lr_lambda(config))
         self.critic_optimizer = self.critic_scheduler = None
@@ -205,8 +222,15 @@ class Trainer:
         for group in self._plan(sub_traces, list(range(n))):
             batch = pack_sub_traces(sub_traces, group, rollout_index)
             inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
-            for i, lp in zip(group, batch.split(policy_logprobs(self.policy, *inputs,
-                                                                temperature=self.temperature))):
+            if self.value_head is not None:
+                logp, hidden = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
+                                               return_hidden=True)
+                v, v_last = self.value_head(hidden, batch.cu_seqlens)
+                for k, (i, vi) in enumerate(zip(group, batch.split(v))):
+                    values[i], last[i] = vi, v_last[k]
+            else:
+                logp = policy_logprobs(self.policy, *inputs, temperature=self.temperature)
+            for i, lp in zip(group, batch.split(logp)):
                 old[i] = lp
             if self.reference is not None:
                 for i, lp in zip(group, batch.split(policy_logprobs(
@@ -295,7 +319,10 @@ class Trainer:
                 indices = sorted(i for r in group for i in by_rollout[rollouts[r]])
                 if not any(sub_traces[i].num_action_tokens for i in indices):
                     continue
-                if train_policy:
+                if self.value_head is not None:  # one backward for policy and value head
+                    totals.update(self._policy_update(sub_traces, indices, rollout_index, old, ref,
+                                                      advantages, values, returns, train_policy))
+                elif train_policy:
                     totals.update(self._policy_update(sub_traces, indices, rollout_index, old, ref,
                                                       advantages))
                 if self.critic is not None:
@@ -312,7 +339,10 @@ class Trainer:
                                whole.rollout_index)
         return dict(zip(indices, whole.split(weights)))
 
-    def _policy_update(self, sub_traces, indices, rollout_index, old, ref, advantages):
+    def _policy_update(self, sub_traces, indices, rollout_index, old, ref, advantages,
+                       values=None, returns=None, train_policy=True):
+        """One optimizer step of the policy (and, when shared, of the value head: the loss is
+        ``pg + value_coef * value loss``, the pg term dropped during critic warmup)."""
         config = self.config
         self.policy.train()
         weights = self._weights(sub_traces, indices, rollout_index)
@@ -321,9 +351,11 @@ class Trainer:
         for group in self._plan(sub_traces, indices):
             batch = pack_sub_traces(sub_traces, group, rollout_index)
             pick = batch.gather  # per-sub-trace tensors of the global batch -> [T]
-            logp, entropy = policy_logprobs(self.policy, batch.input_ids, batch.position_ids,
-                                            batch.cu_seqlens, batch.max_seqlen,
-                                            temperature=self.temperature, return_entropy=True)
+            shared = self.value_head is not None
+            logp, entropy, *hidden = policy_logprobs(
+                self.policy, batch.input_ids, batch.position_ids, batch.cu_seqlens,
+                batch.max_seqlen, temperature=self.temperature, return_entropy=True,
+                return_hidden=shared)
             use_ref = self.reference is not None and config.kl_mode == "loss"
             loss, metrics = ppo_loss(
                 logp, pick(old), pick(advantages), batch.action_mask,
@@ -333,7 +365,15 @@ class Trainer:
                 entropy=entropy, entropy_coef=config.entropy_coef,
                 rollout_logprobs=batch.rollout_logprobs if config.tis_cap else None,
                 tis_cap=config.tis_cap)
-            loss.backward()
+            total = loss if train_policy else loss * 0.0
+            if shared:
+                v, _ = self.value_head(hidden[0], batch.cu_seqlens)
+                vloss, vmetrics = value_loss(v, pick(values), pick(returns), batch.action_mask,
+                                             clip=config.value_clip, token_weights=pick(weights))
+                total = total + config.value_coef * vloss
+                totals["value_loss"] += vloss.item()
+                totals["_value_clipfrac"] += float(vmetrics["vf_clipfrac"]) * batch.action_mask.sum().item()
+            total.backward()
             share = batch.action_mask.sum().item()
             totals["policy_loss"] += loss.item()
             per_token = {"clipfrac": metrics["pg_clipfrac_upper"] + metrics["pg_clipfrac_lower"],
@@ -342,7 +382,8 @@ class Trainer:
                 totals[f"_{key}"] += float(value) * share
             totals["_ratio_max"] = max(totals["_ratio_max"], float(metrics["ratio_max"]))
             totals["_action_tokens"] += share
-        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm)
+        parameters = [p for group in self.policy_optimizer.param_groups for p in group["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
         self.policy_optimizer.step()
         tokens = max(totals.pop("_action_tokens"), 1)
         out = Counter({"policy_loss": totals["policy_loss"], "policy_grad_norm": float(norm),
@@ -350,6 +391,9 @@ class Trainer:
         for key in ("clipfrac", "approx_kl", "entropy"):
             if f"_{key}" in totals:
                 out[key] = totals[f"_{key}"] / tokens
+        if self.value_head is not None:
+            out["value_loss"] = totals["value_loss"]
+            out["value_clipfrac"] = totals["_value_clipfrac"] / tokens
         return out
 
     def _critic_update(self, sub_traces, indices, rollout_index, values, returns):
@@ -394,6 +438,8 @@ class Trainer:
                              "kl_coef": self.kl_coef},
                  "rng": rng_state(),
                  "memory": self.memory.snapshot()}
+        if self.value_head is not None:
+            state["value_head"] = self.value_head.state_dict()
         if self.critic is not None:
             state.update(critic=self.critic.state_dict(),
                          critic_optimizer=self.critic_optimizer.state_dict(),
@@ -406,6 +452,8 @@ class Trainer:
         self.policy.load_state_dict(state["policy"])
         self.policy_optimizer.load_state_dict(state["policy_optimizer"])
         self.policy_scheduler.load_state_dict(state["policy_scheduler"])
+        if self.value_head is not None:
+            self.value_head.load_state_dict(state["value_head"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
