@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Sections whose ```python blocks are complete programs (the op sections show fragments).
-RUNNABLE_SECTIONS = ["## The harness"]
+RUNNABLE_SECTIONS = ["## The harness", "## Training"]
 
 
 def python_blocks(section: str) -> list[str]:

@@ -298,3 +298,20 @@ def test_damaged_latest_checkpoint_is_skipped_with_a_message(tmp_path, chat):
     assert resumed.step_index == 1
     assert any(str(newest) in m and "policy.pt" in m for m in messages), messages
     assert any("resumed from" in m and "step-000000001" in m for m in messages), messages
+
+
+def test_sft_warm_start_fits_the_expert(chat):
+    from agentrl_fast.harness import expert_action
+    from agentrl_fast.models.tiny import tiny_qwen3
+    from agentrl_fast.train.sft import demonstrations, sft
+    env = VaultEnvironment()
+    rollout = RolloutConfig(samples_per_task=1, context_budget=200, max_turns=24,
+                            summary_chars=200, sampling=SamplingParams(max_new_tokens=24))
+    demos = demonstrations(expert_action, chat, env, env.tasks("train")[:8], rollout)
+    assert len(demos) == 8 and all(d.metrics["success"] for d in demos)
+    sub_traces = [s for d in demos for s in d.sub_traces]
+    policy = tiny_qwen3(len(chat.tokenizer), seed=0)
+    losses = sft(policy, sub_traces, steps=30, batch_sequences=8)
+    assert losses[-1] < 0.5 * losses[0]
+    with pytest.raises(ValueError, match="steps must be >= 0"):
+        sft(policy, sub_traces, steps=-1)

@@ -33,8 +33,8 @@ from agentrl_fast.models.attention import use_packed_attention
 from agentrl_fast.models.critic import ValueHead, critic_values, make_critic, policy_logprobs
 from agentrl_fast.ops import loss_weights, ppo_loss, value_loss
 from agentrl_fast.train.advantages import gae_advantages, grpo_advantages, whiten_per_sub_trace
-from agentrl_fast.train.checkpoint import (latest_checkpoint, rng_state, save_checkpoint,
-                                           set_rng_state)
+from agentrl_fast.train.checkpoint import (export_pretrained, latest_checkpoint, rng_state,
+                                           save_checkpoint, set_rng_state)
 from agentrl_fast.train.packing import PackedBatch, micro_batches, pack_sub_traces, rollout_index_map
 
 ALGORITHMS = ("ppo", "grpo")
@@ -465,6 +465,18 @@ class Trainer:
         self.kl_coef = trainer["kl_coef"]
         self.memory.restore(state["memory"])
         set_rng_state(state["rng"])
+
+    def export(self, directory: str | Path) -> Path:
+        """``save_pretrained`` exports HF tools can load: ``directory/policy`` (with the
+        tokenizer) and ``directory/critic`` (a token-classification model with one label), or
+        ``directory/value_head.pt`` for a shared-backbone critic."""
+        directory = Path(directory)
+        export_pretrained(self.policy, directory / "policy", tokenizer=self.chat_format.tokenizer)
+        if self.critic is not None:
+            export_pretrained(self.critic, directory / "critic")
+        if self.value_head is not None:
+            torch.save(self.value_head.state_dict(), directory / "value_head.pt")
+        return directory
 
     def save_checkpoint(self) -> Path:
         return save_checkpoint(self.config.checkpoint_dir, self.step_index, self.state(),
