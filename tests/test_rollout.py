@@ -9,7 +9,6 @@ from collections import Counter
 
 import pytest
 import torch
-import transformers
 
 from agentrl_fast.harness import ChatFormat, MemoryStore, build_tokenizer, tool
 from agentrl_fast.harness.generation import SamplingParams, TorchGenerator
@@ -18,6 +17,7 @@ from agentrl_fast.harness.rollout import (CompactionState, RolloutConfig, Rollou
 from agentrl_fast.harness.vault import (CODE_WORDS, VAULT_NAMES, ScriptedGenerator,
                                         VaultEnvironment, VaultEpisode, expert_action, score)
 from agentrl_fast.models import pack, packed_forward, use_packed_attention
+from agentrl_fast.models.tiny import tiny_qwen3, with_token_bias
 
 BUDGET = 240
 
@@ -37,20 +37,8 @@ def chat(env):
 def model(chat):
     """A tiny random Qwen3 whose LM head is biased towards the stop tokens, so its turns are
     short and rollouts go many turns (parse errors fed back, compaction, limits)."""
-    config = transformers.Qwen3Config(
-        vocab_size=len(chat.tokenizer), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=1024, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).float().eval()
-    head = torch.nn.Linear(64, len(chat.tokenizer), bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight)
-        head.bias.zero_()
-        head.bias[chat.tool_call_close_id] = 5.0
-        head.bias[chat.im_end_id] = 2.0
-    model.lm_head = head
-    return model
+    model = tiny_qwen3(len(chat.tokenizer), max_positions=1024, seed=0).eval()
+    return with_token_bias(model, {chat.tool_call_close_id: 5.0, chat.im_end_id: 2.0})
 
 
 def config(**overrides):

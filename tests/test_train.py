@@ -15,7 +15,7 @@ import torch
 
 from agentrl_fast.harness import (ChatFormat, RolloutConfig, SamplingParams, SubTrace,
                                   VaultEnvironment, build_tokenizer)
-from agentrl_fast.models.tiny import tiny_qwen3
+from agentrl_fast.models.tiny import tiny_qwen3, with_token_bias
 from agentrl_fast.train import TrainConfig, Trainer, bootstrap_values, gae_advantages
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,14 +46,7 @@ def chat():
 def policy_for(chat, seed=0):
     """The tiny Qwen3, LM head biased to the stop tokens so turns are short and varied."""
     model = tiny_qwen3(len(chat.tokenizer), seed=seed)
-    head = torch.nn.Linear(64, len(chat.tokenizer), bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight)
-        head.bias.zero_()
-        head.bias[chat.tool_call_close_id] = 4.0
-        head.bias[chat.im_end_id] = 3.0
-    model.lm_head = head
-    return model
+    return with_token_bias(model, {chat.tool_call_close_id: 4.0, chat.im_end_id: 3.0})
 
 
 def train_config(**overrides):

@@ -31,3 +31,21 @@ def tiny_qwen3(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2,
     finally:
         torch.random.set_rng_state(generator_state)
     return model
+
+
+def with_token_bias(model: torch.nn.Module, biases: dict[int, float]) -> torch.nn.Module:
+    """Give ``model``'s LM head a bias (``token id -> logit offset``, 0 elsewhere), in place.
+
+    A random tiny model picks stop tokens about once per vocabulary size; biasing it towards
+    them makes turns short, so tests and benchmarks of multi-turn rollouts see many turns,
+    parse errors fed back, compaction and limits."""
+    head = model.get_output_embeddings()
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True,
+                             device=head.weight.device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        for token, value in biases.items():
+            biased.bias[token] = value
+    model.set_output_embeddings(biased)
+    return model
