@@ -191,7 +191,12 @@ def test_config_errors():
                                 ({"micro_batch_tokens": 100}, "micro_batch_tokens (100) must be"),
                                 ({"gamma": 1.5}, "gamma must be in [0, 1]"),
                                 ({"checkpoint_every": 2}, "checkpoint_every needs checkpoint_dir"),
-                                ({"epochs": 0}, "epochs must be an int >= 1")]:
+                                ({"epochs": 0}, "epochs must be an int >= 1"),
+                                ({"algo": "grpo", "kl_mode": "reward"},
+                                 "kl_mode='reward' needs algo='ppo'"),
+                                ({"loss_agg_mode": "seq-mean-token-sum-norm"},
+                                 "needs loss_norm_constant"),
+                                ({"critic": "tied"}, "critic must be one of separate, shared")]:
         with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")
                            .replace("[", r"\[").replace("]", r"\]")):
             train_config(**overrides)
@@ -308,3 +313,14 @@ def test_sft_warm_start_fits_the_expert(chat):
     assert losses[-1] < 0.5 * losses[0]
     with pytest.raises(ValueError, match="steps must be >= 0"):
         sft(policy, sub_traces, steps=-1)
+
+
+def test_each_step_draws_distinct_tasks_in_a_seeded_order(chat):
+    env = ParityVaultEnvironment(train_size=5)
+    trainer = Trainer(policy_for(chat), chat, env, train_config(tasks_per_step=3))
+    steps = [[t.id for t in trainer._next_tasks()] for _ in range(6)]
+    assert all(len(set(ids)) == 3 for ids in steps)
+    again = Trainer(policy_for(chat), chat, env, train_config(tasks_per_step=3))
+    assert steps == [[t.id for t in again._next_tasks()] for _ in range(6)]
+    with pytest.raises(ValueError, match="tasks_per_step \\(6\\) exceeds the 5 train tasks"):
+        Trainer(policy_for(chat), chat, env, train_config(tasks_per_step=6))

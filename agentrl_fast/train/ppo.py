@@ -65,6 +65,7 @@ class TrainConfig:
     lam: float = 0.95
     whiten_advantages: bool = True
     loss_agg_mode: str | None = None  # default: token-mean (ppo), rollout-mean (grpo)
+    loss_norm_constant: float | None = None  # seq-mean-token-sum-norm's constant
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float | None = None
@@ -120,6 +121,14 @@ class TrainConfig:
             raise ValueError("checkpoint_every needs checkpoint_dir")
         if self.loss_agg_mode is None:
             self.loss_agg_mode = "rollout-mean" if self.algo == "grpo" else "token-mean"
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not self.loss_norm_constant:
+            raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs loss_norm_constant "
+                             "(Dr. GRPO's constant length, e.g. the max new tokens)")
+        if self.algo == "grpo" and self.kl_mode == "reward" and self.kl_coef > 0:
+            raise ValueError("kl_mode='reward' needs algo='ppo': GRPO's advantages come from "
+                             "outcome rewards only; use kl_mode='loss'")
+        if self.algo == "grpo" and self.critic_warmup_steps:
+            raise ValueError("critic_warmup_steps needs algo='ppo' (GRPO has no critic)")
 
 
 def _lr_lambda(config: TrainConfig):
@@ -169,7 +178,7 @@ class Trainer:
         if self.reference is None and config.kl_coef > 0:
             self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
         if self.reference is not None:
-            use_packed_attention(self.reference)
+            use_packed_attention(self.reference).eval().requires_grad_(False)
         self.memory = memory if memory is not None else MemoryStore()
         pad_id = chat_format.tokenizer.pad_token_id
         self.engine = RolloutEngine(TorchGenerator(policy, pad_id=0 if pad_id is None else pad_id),
@@ -191,19 +200,26 @@ class Trainer:
         self.step_index = 0
         self.data_position = 0
         self.tasks = list(environment.tasks("train"))
+        if config.tasks_per_step > len(self.tasks):
+            raise ValueError(f"tasks_per_step ({config.tasks_per_step}) exceeds the "
+                             f"{len(self.tasks)} train tasks of {environment.name!r}")
         if config.checkpoint_dir:
             self._resume()
 
     # -- data -----------------------------------------------------------------------------------
 
     def _next_tasks(self):
+        """The next ``tasks_per_step`` distinct tasks of a seeded order of the train split (a new
+        order each pass; a task already in this step is skipped at a pass boundary)."""
         count, chosen = len(self.tasks), []
-        for _ in range(self.config.tasks_per_step):
+        while len(chosen) < self.config.tasks_per_step:
             epoch, offset = divmod(self.data_position, count)
             order = torch.randperm(count, generator=torch.Generator().manual_seed(
                 derive_seed(self.config.seed, "tasks", epoch)))
-            chosen.append(self.tasks[int(order[offset])])
+            task = self.tasks[int(order[offset])]
             self.data_position += 1
+            if all(task.id != other.id for other in chosen):
+                chosen.append(task)
         return chosen
 
     # -- packed forward passes ------------------------------------------------------------------
@@ -216,6 +232,9 @@ class Trainer:
     @torch.no_grad()
     def _score(self, sub_traces: Sequence[SubTrace], rollout_index):
         """Per sub-trace: old log-probs, reference log-probs, values, last values."""
+        for model in (self.policy, self.critic, self.reference, self.value_head):
+            if model is not None:
+                model.eval()  # targets without dropout noise
         n = len(sub_traces)
         old, ref, values = [None] * n, [None] * n, [None] * n
         last = torch.zeros(n)
@@ -258,7 +277,8 @@ class Trainer:
         metrics.update(self._mismatch(sub_traces, old))
         rewards = [torch.tensor(s.rewards) for s in sub_traces]
         if self.reference is not None:
-            kl = [((o - r) * torch.tensor(s.action_mask, dtype=torch.float32))
+            kl = [torch.where(torch.tensor(s.action_mask, dtype=torch.bool), o - r,
+                              torch.zeros(()))  # k1 per action token, 0 elsewhere
                   for s, o, r in zip(sub_traces, old, ref)]
             action_tokens = max(sum(s.num_action_tokens for s in sub_traces), 1)
             metrics["kl_ref"] = float(sum(k.sum() for k in kl)) / action_tokens
@@ -274,14 +294,16 @@ class Trainer:
                                                   normalize_std=config.grpo_normalize_std), None
         metrics.update(self._update(sub_traces, rollout_index, old, ref, values, advantages,
                                     returns))
-        self._control_kl(metrics.get("kl_ref"))
-        if self.step_index >= config.critic_warmup_steps:  # the policy stepped
-            self.policy_scheduler.step()
+        if self.step_index >= config.critic_warmup_steps:  # the policy moved
+            self._control_kl(metrics.get("kl_ref"), episodes=len(trajectories))
+        policy_lr = self.policy_scheduler.get_last_lr()[0]  # the rate this step used
+        if self.step_index >= config.critic_warmup_steps or self.value_head is not None:
+            self.policy_scheduler.step()  # its optimizer stepped (policy, or the shared head)
         if self.critic_scheduler is not None:
             self.critic_scheduler.step()
         self.step_index += 1
         metrics.update(step=self.step_index, kl_coef=self.kl_coef,
-                       policy_lr=self.policy_scheduler.get_last_lr()[0],
+                       policy_lr=policy_lr,
                        rollout_seconds=rollout_seconds,
                        tokens_per_second=sum(len(s) for s in sub_traces)
                        / max(time.perf_counter() - start, 1e-9))
@@ -313,30 +335,39 @@ class Trainer:
         rollouts = sorted(by_rollout)
         train_policy = self.step_index >= config.critic_warmup_steps
         totals: Counter = Counter()
-        updates = 0
+        updates, ratio_max = 0, None
         for epoch in range(config.epochs):
             for group in self._mini_batches(len(rollouts), epoch):
                 indices = sorted(i for r in group for i in by_rollout[rollouts[r]])
                 if not any(sub_traces[i].num_action_tokens for i in indices):
                     continue
+                policy_metrics = None
                 if self.value_head is not None:  # one backward for policy and value head
-                    totals.update(self._policy_update(sub_traces, indices, rollout_index, old, ref,
-                                                      advantages, values, returns, train_policy))
+                    policy_metrics = self._policy_update(sub_traces, indices, rollout_index, old,
+                                                         ref, advantages, values, returns,
+                                                         train_policy)
                 elif train_policy:
-                    totals.update(self._policy_update(sub_traces, indices, rollout_index, old, ref,
-                                                      advantages))
+                    policy_metrics = self._policy_update(sub_traces, indices, rollout_index, old,
+                                                         ref, advantages)
+                if policy_metrics is not None:
+                    ratio = policy_metrics.pop("ratio_max")
+                    ratio_max = ratio if ratio_max is None else max(ratio_max, ratio)
+                    totals.update(policy_metrics)
                 if self.critic is not None:
                     for _ in range(config.critic_epochs):
                         totals.update(self._critic_update(sub_traces, indices, rollout_index,
                                                           values, returns))
                 updates += 1
-        return {key: value / max(updates, 1) for key, value in totals.items()}
+        out = {key: value / max(updates, 1) for key, value in totals.items()}
+        if ratio_max is not None:
+            out["ratio_max"] = ratio_max
+        return out
 
     def _weights(self, sub_traces, indices, rollout_index) -> list[torch.Tensor]:
         """``loss_weights`` of the mini-batch, split per sub-trace."""
         whole = pack_sub_traces(sub_traces, indices, rollout_index)
         weights = loss_weights(self.config.loss_agg_mode, whole.action_mask, whole.cu_seqlens,
-                               whole.rollout_index)
+                               whole.rollout_index, self.config.loss_norm_constant)
         return dict(zip(indices, whole.split(weights)))
 
     def _policy_update(self, sub_traces, indices, rollout_index, old, ref, advantages,
@@ -420,13 +451,14 @@ class Trainer:
                         "value_clipfrac": clipped / max(tokens, 1) / config.critic_epochs,
                         "critic_grad_norm": float(norm) / config.critic_epochs})
 
-    def _control_kl(self, kl: float | None) -> None:
-        """Adaptive KL coefficient (Ziegler et al.): move towards ``kl_target``."""
+    def _control_kl(self, kl: float | None, episodes: int) -> None:
+        """Adaptive KL coefficient (Ziegler et al.): move towards ``kl_target``, by the batch's
+        number of episodes over ``kl_horizon``."""
         config = self.config
         if config.kl_target is None or kl is None or self.kl_coef == 0:
             return
         error = max(min(kl / config.kl_target - 1.0, 0.2), -0.2)
-        self.kl_coef *= 1.0 + error * config.tasks_per_step / config.kl_horizon
+        self.kl_coef *= 1.0 + error * episodes / config.kl_horizon
 
     # -- checkpoints ----------------------------------------------------------------------------
 
