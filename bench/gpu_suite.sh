@@ -115,6 +115,7 @@ bench_stage gae 60
 bench_stage varlen_attention 90
 bench_stage token_logprobs 90
 bench_stage ppo_loss 60
+bench_stage rollout 90
 
 echo "gpu_suite: $([ $FAILED -eq 0 ] && echo all stages passed || echo SOME STAGES FAILED)" | tee -a "$OUT/summary.txt"
 exit $FAILED

@@ -223,6 +223,10 @@ def test_tool_failures_do_not_stop_other_rollouts(chat, schedule):
                                   summary_chars=200, schedule=schedule))
     trajectories = engine.run(env.tasks("train")[:3], seed=0)
     assert [t.metrics["timeout"] for t in trajectories] == [1, 0] * 3
+    # Tool time is wall time with a call running: the three 0.2 s timeouts, at least partly
+    # overlapping, never more than the run.
+    assert 0.2 <= engine.stats.tool_seconds <= engine.stats.wall_seconds
+    assert 0 < engine.stats.tool_share <= 1
     assert all(t.metrics["success"] == 1 for t in trajectories)  # the hung rollout recovered too
 
 

@@ -155,7 +155,7 @@ class RolloutStats:
     generated_tokens: int = 0
     wall_seconds: float = 0.0
     generate_seconds: float = 0.0
-    tool_seconds: float = 0.0
+    tool_seconds: float = 0.0  # wall time during which at least one tool call ran
 
     @property
     def episodes_per_second(self) -> float:
@@ -167,8 +167,39 @@ class RolloutStats:
 
     @property
     def tool_share(self) -> float:
-        """Share of the wall time spent running tools (overlapped time included)."""
+        """Share of the wall time during which at least one tool call was running."""
         return self.tool_seconds / self.wall_seconds if self.wall_seconds else 0.0
+
+
+class _ToolClock:
+    """The union of tool-execution intervals: wall time with at least one call running."""
+
+    def __init__(self):
+        self.active, self.since, self.busy = 0, 0.0, 0.0
+
+    async def timed(self, registry: ToolRegistry, calls):
+        if self.active == 0:
+            self.since = time.perf_counter()
+        self.active += 1
+        try:
+            return await registry.execute(calls)
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self.busy += time.perf_counter() - self.since
+
+
+class _TimedRegistry:
+    """A registry whose ``execute`` is timed by a :class:`_ToolClock` (all else delegated)."""
+
+    def __init__(self, registry: ToolRegistry, clock: _ToolClock):
+        self._registry, self._clock = registry, clock
+
+    def __getattr__(self, name):
+        return getattr(self._registry, name)
+
+    async def execute(self, calls):
+        return await self._clock.timed(self._registry, calls)
 
 
 class RolloutEngine:
@@ -211,6 +242,7 @@ class RolloutEngine:
     async def arun(self, tasks: Sequence[Task], seed: int = 0) -> list[Trajectory]:
         start = time.perf_counter()
         self.stats = RolloutStats()
+        self._clock = _ToolClock()
         rollouts = [self._start(task, sample, seed) for task in tasks
                     for sample in range(self.config.samples_per_task)]
         if self.config.schedule == "lockstep":
@@ -218,6 +250,7 @@ class RolloutEngine:
         else:
             await self._overlap(rollouts)
         self.stats.episodes = len(rollouts)
+        self.stats.tool_seconds = self._clock.busy
         self.stats.wall_seconds = time.perf_counter() - start
         return [r.trajectory for r in rollouts]
 
@@ -300,11 +333,10 @@ class RolloutEngine:
         self.stats.generated_tokens += len(generation.ids)
         turn_end = len(sub_trace) + len(generation.ids) + len(
             self.chat_format.turn_end_ids(generation.ids))
-        start = time.perf_counter()
-        outcome = await apply_turn(sub_trace, self.chat_format, rollout.registry, generation.ids,
+        outcome = await apply_turn(sub_trace, self.chat_format,
+                                   _TimedRegistry(rollout.registry, self._clock), generation.ids,
                                    generation.logprobs, rollout.trajectory.metrics,
                                    max_response_chars=self.config.max_tool_response_chars)
-        self.stats.tool_seconds += time.perf_counter() - start
         rollout.trajectory.metrics["generated_tokens"] += len(generation.ids)
         if outcome.results:
             rollout.tool_results += list(zip(outcome.calls, outcome.results))
