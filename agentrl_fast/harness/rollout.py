@@ -254,6 +254,11 @@ class RolloutEngine:
         self.stats.wall_seconds = time.perf_counter() - start
         return [r.trajectory for r in rollouts]
 
+    def prompt_ids(self, task: Task) -> list[int]:
+        """The ids a rollout of ``task`` starts from: system prompt, tools header, task,
+        generation prompt (to check budgets before a run)."""
+        return list(self._start(task, 0, seed=0).trajectory.current.ids)
+
     # -- one rollout ----------------------------------------------------------------------------
 
     def _start(self, task: Task, sample_index: int, seed: int) -> _Rollout:

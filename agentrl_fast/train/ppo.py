@@ -119,9 +119,15 @@ class TrainConfig:
                              "sub-trace is never split")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir")
-        if self.loss_agg_mode is None:
-            self.loss_agg_mode = "rollout-mean" if self.algo == "grpo" else "token-mean"
-        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not self.loss_norm_constant:
+
+    @property
+    def loss_aggregation(self) -> str:
+        """``loss_agg_mode``, or the algorithm's default: token-mean (PPO), rollout-mean
+        (GRPO)."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return "rollout-mean" if self.algo == "grpo" else "token-mean"
+        if self.loss_aggregation == "seq-mean-token-sum-norm" and not self.loss_norm_constant:
             raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs loss_norm_constant "
                              "(Dr. GRPO's constant length, e.g. the max new tokens)")
         if self.algo == "grpo" and self.kl_mode == "reward" and self.kl_coef > 0:
@@ -366,7 +372,7 @@ class Trainer:
     def _weights(self, sub_traces, indices, rollout_index) -> list[torch.Tensor]:
         """``loss_weights`` of the mini-batch, split per sub-trace."""
         whole = pack_sub_traces(sub_traces, indices, rollout_index)
-        weights = loss_weights(self.config.loss_agg_mode, whole.action_mask, whole.cu_seqlens,
+        weights = loss_weights(self.config.loss_aggregation, whole.action_mask, whole.cu_seqlens,
                                whole.rollout_index, self.config.loss_norm_constant)
         return dict(zip(indices, whole.split(weights)))
 

@@ -1,0 +1,216 @@
+"""Typed run configuration: dataclasses, YAML files (``configs/``) and command-line overrides.
+
+A :class:`RunConfig` nests the environment, the tiny model, the warm-start, the trainer
+(:class:`~agentrl_fast.train.TrainConfig`, which nests the rollout
+:class:`~agentrl_fast.harness.RolloutConfig` and its
+:class:`~agentrl_fast.harness.SamplingParams`) and the evaluation. :func:`load_config` reads a
+YAML file over the defaults; :func:`apply_overrides` applies ``section.field=value`` strings
+(values parsed as YAML scalars). Unknown fields and wrong types fail at once with the dotted
+name of the field; values are checked by the dataclasses themselves (``TrainConfig``,
+``RolloutConfig``, ``SamplingParams`` raise naming the field) and by :func:`validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl_fast.harness.generation import SamplingParams
+from agentrl_fast.harness.rollout import RolloutConfig
+from agentrl_fast.train.ppo import TrainConfig
+
+
+@dataclass
+class EnvConfig:
+    """The built-in vault environment (``VaultEnvironment``'s arguments)."""
+
+    name: str = "vault"
+    min_vaults: int = 2
+    max_vaults: int = 3
+    jam_probability: float = 0.3
+    train_size: int = 10_000
+    eval_size: int = 200
+
+
+@dataclass
+class ModelConfig:
+    """The tiny Qwen3-style policy built in code, and the tokenizer: the built-in one trained
+    in code (``vocab_size``), or ``tokenizer``, a folder ``AutoTokenizer`` loads (it must have
+    the Qwen3 chat tokens)."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    vocab_size: int = 1024
+    tokenizer: str | None = None  # an HF tokenizer folder instead of the built-in one
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm-start: ``demos`` expert rollouts (train tasks), ``steps`` AdamW steps."""
+
+    demos: int = 200
+    steps: int = 300
+    lr: float = 3e-3
+    batch_sequences: int = 32
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation on the held-out split: ``tasks`` tasks, sampled at ``temperature`` (0:
+    greedy)."""
+
+    tasks: int = 200
+    temperature: float = 0.0
+
+
+@dataclass
+class RunConfig:
+    """A whole run. ``seed`` seeds everything (the model's weights, the warm-start, the
+    trainer: it replaces ``train.seed``)."""
+
+    seed: int = 0
+    run_dir: str = "runs/default"
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the field."""
+
+
+def _is_dataclass_type(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _check_type(name: str, tp, value):
+    """``value`` as ``tp`` (ints accepted for floats), or ConfigError naming ``name``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_type(name, option, value)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{name}: expected {tp}, got {value!r}")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool):
+        if isinstance(value, bool) and tp is not bool:
+            raise ConfigError(f"{name}: expected {tp.__name__}, got {value!r}")
+        if not isinstance(value, tp):
+            raise ConfigError(f"{name}: expected {tp.__name__}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        return tuple(value)
+    return value
+
+
+def _build(cls, data: dict, prefix: str, base=None):
+    """An instance of dataclass ``cls`` from ``data`` over ``base`` (or the defaults)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"{name}: unknown field (known: {known})")
+        tp = hints[key]
+        current = getattr(base, key) if base is not None else None
+        if _is_dataclass_type(tp):
+            values[key] = _build(tp, value, f"{name}.", current)
+        else:
+            values[key] = _check_type(name, tp, value)
+    try:
+        if base is not None:
+            return dataclasses.replace(base, **values)
+        return cls(**values)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {error}") from None
+
+
+def default_config() -> RunConfig:
+    """The embedded default (what ``agentrl-fast train`` runs with no arguments)."""
+    return RunConfig(train=TrainConfig(
+        algo="ppo", steps=40, tasks_per_step=8, micro_batch_tokens=2048, mini_batches=2,
+        epochs=2, policy_lr=1e-4, critic_lr=3e-3, lam=0.95, gamma=1.0, kl_coef=0.0,
+        entropy_coef=0.0, rollout=RolloutConfig(
+            samples_per_task=4, context_budget=200, max_turns=24, summary_chars=200,
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=24))))
+
+
+def to_dict(config) -> dict:
+    """A plain dict (YAML-ready) of a config dataclass."""
+    return dataclasses.asdict(config)
+
+
+def load_config(path: str | Path | None = None, base: RunConfig | None = None) -> RunConfig:
+    """``base`` (default :func:`default_config`) with the YAML file at ``path`` applied."""
+    import yaml
+    config = base if base is not None else default_config()
+    if path is None:
+        return config
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    return _build(RunConfig, data, "", config)
+
+
+def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply ``section.field=value`` strings (``train.rollout.context_budget=256``)."""
+    import yaml
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected field=value "
+                              "(e.g. train.kl_coef=0.01)")
+        key, raw = item.split("=", 1)
+        data: Any = yaml.safe_load(raw) if raw else ""
+        for part in reversed(key.strip().split(".")):
+            data = {part: data}
+        config = _build(RunConfig, data, "", config)
+    return config
+
+
+def validate(config: RunConfig) -> None:
+    """Checks that need more than one field (each message names the field)."""
+    if config.env.name != "vault":
+        raise ConfigError(f"env.name: unknown environment {config.env.name!r} (built in: vault)")
+    if config.eval.tasks > config.env.eval_size:
+        raise ConfigError(f"eval.tasks ({config.eval.tasks}) exceeds env.eval_size "
+                          f"({config.env.eval_size})")
+    if config.eval.temperature < 0:
+        raise ConfigError(f"eval.temperature must be >= 0, got {config.eval.temperature}")
+    if config.warmstart.demos < 0 or config.warmstart.steps < 0:
+        raise ConfigError("warmstart.demos and warmstart.steps must be >= 0")
+    if config.warmstart.steps and not config.warmstart.demos:
+        raise ConfigError("warmstart.steps > 0 needs warmstart.demos > 0")
+    if config.model.num_heads % config.model.num_kv_heads:
+        raise ConfigError(f"model.num_kv_heads: num_heads ({config.model.num_heads}) must be a "
+                          f"multiple of num_kv_heads ({config.model.num_kv_heads})")

@@ -1,0 +1,208 @@
+"""One training run from a :class:`~agentrl_fast.config.RunConfig`: build the environment,
+tokenizer and tiny policy, warm-start on expert demonstrations, train with PPO or GRPO, evaluate
+on the held-out split, and leave a run folder behind:
+
+``config.yaml``, ``metrics.jsonl`` (one JSON line per step, plus warm-start and eval lines),
+TensorBoard events (``tb/``), ``curves.png`` (reward and success), ``summary.txt``,
+``checkpoints/`` (resumable), ``export/`` (``save_pretrained`` of the final models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from agentrl_fast.config import ConfigError, RunConfig, to_dict, validate
+from agentrl_fast.harness import (ChatFormat, RolloutEngine, ScriptedGenerator, TorchGenerator,
+                                  VaultEnvironment, build_tokenizer, expert_action,
+                                  rollout_metrics)
+from agentrl_fast.models.tiny import tiny_qwen3
+from agentrl_fast.train.ppo import Trainer
+from agentrl_fast.train.sft import demonstrations, sft
+
+
+def build(config: RunConfig):
+    """``(environment, chat_format, policy)`` of a config; checks that a sub-trace's prompt and
+    one turn fit the context budget."""
+    validate(config)
+    env_fields = {f.name: getattr(config.env, f.name) for f in dataclasses.fields(config.env)
+                  if f.name != "name"}
+    environment = VaultEnvironment(**env_fields)
+    if config.model.tokenizer:
+        from transformers import AutoTokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"model.tokenizer: cannot load {config.model.tokenizer!r}: "
+                              f"{error}") from None
+    else:
+        tokenizer = build_tokenizer(environment.corpus(), vocab_size=config.model.vocab_size,
+                                    words=environment.words())
+    try:
+        chat = ChatFormat(tokenizer)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"model.tokenizer: {error}") from None
+    rollout = config.train.rollout
+    engine = RolloutEngine(ScriptedGenerator(expert_action, chat), chat, environment, rollout)
+    longest = max(len(engine.prompt_ids(task)) for task in environment.tasks("train")[:50])
+    need = longest + rollout.sampling.max_new_tokens + 2
+    if need > rollout.context_budget:
+        raise ConfigError(f"train.rollout.context_budget ({rollout.context_budget}) is smaller than "
+                          f"the system prompt, tools and task ({longest} tokens) plus "
+                          f"train.rollout.sampling.max_new_tokens "
+                          f"({rollout.sampling.max_new_tokens}) and the turn's end; use at least "
+                          f"{need}")
+    m = config.model
+    policy = tiny_qwen3(len(chat.tokenizer), hidden_size=m.hidden_size, num_layers=m.num_layers,
+                        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                        seed=config.seed)
+    return environment, chat, policy
+
+
+def evaluate(policy, chat: ChatFormat, environment, config: RunConfig, *, seed: int = 0) -> dict:
+    """Success rate and mean reward on the first ``eval.tasks`` held-out tasks (one rollout
+    each, at ``eval.temperature``, with the training rollout limits)."""
+    rollout = dataclasses.replace(
+        config.train.rollout, samples_per_task=1, schedule="lockstep",
+        sampling=dataclasses.replace(config.train.rollout.sampling,
+                                     temperature=config.eval.temperature))
+    engine = RolloutEngine(TorchGenerator(policy, pad_id=chat.tokenizer.pad_token_id or 0),
+                           chat, environment, rollout)
+    trajectories = engine.run(environment.tasks("eval")[:config.eval.tasks], seed=seed)
+    return rollout_metrics(trajectories)
+
+
+class _Outputs:
+    """metrics.jsonl + TensorBoard (when installed) of a run folder."""
+
+    def __init__(self, run_dir: Path):
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(run_dir / "tb"))
+        except ImportError:  # tensorboard is a dependency; tolerate its absence in odd installs
+            self.writer = None
+
+    def write(self, kind: str, step: int, metrics: dict) -> None:
+        row = {"kind": kind, "step": step, **{k: v for k, v in metrics.items()
+                                               if isinstance(v, (int, float))}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, value in row.items():
+                if key not in ("kind", "step"):
+                    self.writer.add_scalar(f"{kind}/{key}", value, step)
+            self.writer.flush()
+
+    def close(self):
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def plot_curves(run_dir: Path) -> Path:
+    """``curves.png``: train reward and success per step, eval success points."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot([r["step"] for r in train], [r["reward"] for r in train], label="train reward")
+    axis.plot([r["step"] for r in train], [r["success"] for r in train], label="train success")
+    axis.plot([r["step"] for r in evals], [r["success"] for r in evals], "o--",
+              label="eval success (held out)")
+    axis.set_xlabel("step")
+    axis.set_ylim(-0.02, 1.02)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    path = run_dir / "curves.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def train_run(config: RunConfig, *, progress: bool = True,
+              print_fn: Callable[[str], None] = print) -> dict:
+    """The whole run (see the module doc); returns the summary. Resumes when the run folder
+    holds checkpoints (the warm-start is then not redone)."""
+    start = time.perf_counter()
+    torch.manual_seed(config.seed)
+    environment, chat, policy = build(config)
+    run_dir = Path(config.run_dir)
+    resuming = any((run_dir / "checkpoints").glob("step-*"))
+    demos = []
+    if not resuming and config.warmstart.steps:
+        demos = demonstrations(expert_action, chat, environment,
+                               environment.tasks("train")[:config.warmstart.demos],
+                               config.train.rollout, seed=config.seed)
+        if not demos:
+            raise ConfigError(f"warmstart.demos: the expert solved none of "
+                              f"{config.warmstart.demos} tasks within the train.rollout "
+                              f"limits (max_turns={config.train.rollout.max_turns}, "
+                              f"context_budget={config.train.rollout.context_budget}); "
+                              "raise them")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    import yaml
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    outputs = _Outputs(run_dir)
+    warm_file = run_dir / "warmstart.json"
+    train = dataclasses.replace(config.train, seed=config.seed,
+                                checkpoint_dir=str(run_dir / "checkpoints"),
+                                checkpoint_every=config.train.checkpoint_every or 5)
+    if not resuming:
+        if demos:
+            sub_traces = [s for d in demos for s in d.sub_traces]
+            losses = sft(policy, sub_traces, steps=config.warmstart.steps, lr=config.warmstart.lr,
+                         batch_sequences=config.warmstart.batch_sequences, seed=config.seed,
+                         log=lambda m: outputs.write("warmstart", m["sft_step"], m))
+            print_fn(f"warm-start: {len(demos)} expert rollouts, {config.warmstart.steps} steps, "
+                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        before = evaluate(policy, chat, environment, config, seed=config.seed)
+        outputs.write("eval", 0, before)
+        warm_file.write_text(json.dumps(before))
+        print_fn(f"warm-start eval: success {before['success']:.3f}, reward {before['reward']:.3f}")
+    before = json.loads(warm_file.read_text())
+    trainer = Trainer(policy, chat, environment, train, log=print_fn)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=train.steps, initial=trainer.step_index, desc=train.algo, unit="step",
+                   dynamic_ncols=True)
+
+    def on_step(metrics):
+        outputs.write("train", metrics["step"], metrics)
+        if bar is not None:
+            bar.set_postfix(reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
+                            kl=f"{metrics.get('approx_kl', 0.0):.1e}",
+                            clip=f"{metrics.get('clipfrac', 0.0):.2f}",
+                            tok_s=f"{metrics['tokens_per_second']:.0f}")
+            bar.update(1)
+
+    trainer.train(callback=on_step)
+    if bar is not None:
+        bar.close()
+    if not (run_dir / "checkpoints" / f"step-{trainer.step_index:09d}").exists():
+        trainer.save_checkpoint()  # the final state, whatever checkpoint_every is
+    after = evaluate(policy, chat, environment, config, seed=config.seed)
+    outputs.write("eval", trainer.step_index, after)
+    outputs.close()
+    plot_curves(run_dir)
+    trainer.export(run_dir / "export")
+    summary = {"algo": train.algo, "steps": trainer.step_index, "seed": config.seed,
+               "eval_tasks": config.eval.tasks, "warmstart_success": before["success"],
+               "warmstart_reward": before["reward"], "final_success": after["success"],
+               "final_reward": after["reward"], "seconds": time.perf_counter() - start}
+    (run_dir / "summary.txt").write_text(
+        "".join(f"{key}: {value}\n" for key, value in summary.items()))
+    print_fn(f"run folder: {run_dir} (metrics.jsonl, tb/, curves.png, summary.txt, checkpoints/, "
+             "export/)")
+    print_fn(f"eval success: {after['success']:.3f} (warm-start: {before['success']:.3f})")
+    return summary

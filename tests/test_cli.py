@@ -1,0 +1,100 @@
+"""The `agentrl-fast` CLI end to end with a tiny step count (a real child process), its run
+folder, `eval`, and bad configurations failing at start with the field named."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentrl_fast.config import (ConfigError, RunConfig, apply_overrides, default_config,
+                                 load_config, to_dict)
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--set", "warmstart.demos=8", "--set", "warmstart.steps=5", "--set", "eval.tasks=6",
+        "--set", "train.tasks_per_step=2", "--set", "train.rollout.samples_per_task=2"]
+
+
+def cli(*args, cwd=ROOT, timeout=300):
+    return subprocess.run([sys.executable, "-m", "agentrl_fast.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    result = cli("train", "--steps", "2", "--run-dir", str(run_dir), "--no-progress", *TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("eval success: ") and "(warm-start: " in last
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in rows]
+    assert kinds.count("train") == 2 and kinds.count("eval") == 2 and "warmstart" in kinds
+    train_row = next(r for r in rows if r["kind"] == "train")
+    for key in ("reward", "success", "approx_kl", "clipfrac", "tokens_per_second"):
+        assert key in train_row
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "checkpoints" / "step-000000002" / "manifest.json").exists()
+    assert (run_dir / "export" / "policy" / "config.json").exists()
+    summary = (run_dir / "summary.txt").read_text()
+    assert "final_success:" in summary and "warmstart_success:" in summary
+    assert load_config(run_dir / "config.yaml").train.steps == 2
+    # eval of the run's latest checkpoint prints a table.
+    evaluated = cli("eval", "--run-dir", str(run_dir), "--tasks", "4")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "| step-000000002 | 4 |" in evaluated.stdout
+    # Running again resumes from the checkpoints: no second warm-start, no step redone.
+    again = cli("train", "--steps", "3", "--run-dir", str(run_dir), "--no-progress", *TINY)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "warm-start: " not in again.stdout.split("eval success")[0]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--set", "train.algo=dpo"], "train: algo must be one of ppo, grpo"),
+    (["--set", "train.rollout.context_budget=-5"], "context_budget must be an int >= 1"),
+    (["--set", "train.rollout.context_budget=60"],
+     "train.rollout.context_budget (60) is smaller than the system prompt"),
+    (["--set", "train.stepz=3"], "train.stepz: unknown field"),
+    (["--set", "train.steps=many"], "train.steps: expected int"),
+    (["--set", "eval.tasks=500"], "eval.tasks (500) exceeds env.eval_size"),
+    (["--config", "nowhere.yaml"], "config file nowhere.yaml does not exist"),
+    (["--set", "train.rollout.max_turns=2", "--set", "warmstart.demos=4"],
+     "warmstart.demos: the expert solved none of 4 tasks"),
+])
+def test_bad_configuration_fails_at_start_naming_the_field(args, fragment, tmp_path):
+    result = cli("train", "--run-dir", str(tmp_path / "run"), "--no-progress", *args,
+                 timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert fragment in result.stderr, result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
+
+
+def test_tokenizer_without_the_chat_tokens_is_refused(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(tmp_path / "tok")
+    result = cli("train", "--run-dir", str(tmp_path / "run"), "--no-progress", "--set",
+                 f"model.tokenizer={tmp_path / 'tok'}", timeout=120)
+    assert result.returncode == 2
+    assert "model.tokenizer: tokenizer must have '<|im_start|>' as one token" in result.stderr
+
+
+def test_config_files_and_overrides():
+    assert load_config(ROOT / "configs" / "default.yaml") == default_config()
+    grpo = load_config(ROOT / "configs" / "grpo.yaml")
+    assert grpo.train.algo == "grpo" and grpo.train.loss_aggregation == "rollout-mean"
+    assert grpo.train.steps == default_config().train.steps  # the same budget
+    config = apply_overrides(default_config(), ["train.rollout.sampling.temperature=0.7",
+                                                "seed=3", "model.tokenizer=null"])
+    assert config.train.rollout.sampling.temperature == 0.7 and config.seed == 3
+    assert isinstance(to_dict(config), dict) and isinstance(config, RunConfig)
+    with pytest.raises(ConfigError, match="expected field=value"):
+        apply_overrides(config, ["train.steps"])
