@@ -119,14 +119,6 @@ class TrainConfig:
                              "sub-trace is never split")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir")
-
-    @property
-    def loss_aggregation(self) -> str:
-        """``loss_agg_mode``, or the algorithm's default: token-mean (PPO), rollout-mean
-        (GRPO)."""
-        if self.loss_agg_mode is not None:
-            return self.loss_agg_mode
-        return "rollout-mean" if self.algo == "grpo" else "token-mean"
         if self.loss_aggregation == "seq-mean-token-sum-norm" and not self.loss_norm_constant:
             raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs loss_norm_constant "
                              "(Dr. GRPO's constant length, e.g. the max new tokens)")
@@ -135,6 +127,14 @@ class TrainConfig:
                              "outcome rewards only; use kl_mode='loss'")
         if self.algo == "grpo" and self.critic_warmup_steps:
             raise ValueError("critic_warmup_steps needs algo='ppo' (GRPO has no critic)")
+
+    @property
+    def loss_aggregation(self) -> str:
+        """``loss_agg_mode``, or the algorithm's default: token-mean (PPO), rollout-mean
+        (GRPO)."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return "rollout-mean" if self.algo == "grpo" else "token-mean"
 
 
 def _lr_lambda(config: TrainConfig):
