@@ -44,9 +44,8 @@ def _cmd_train(args) -> int:
 def _cmd_eval(args) -> int:
     import dataclasses
 
-    import torch
     from agentrl_fast.config import load_config
-    from agentrl_fast.train.checkpoint import load_checkpoint, latest_checkpoint
+    from agentrl_fast.train.checkpoint import latest_checkpoint, load_checkpoint
     from agentrl_fast.train.run import build, evaluate
 
     run_dir = Path(args.run_dir)
@@ -55,27 +54,21 @@ def _cmd_eval(args) -> int:
         config = dataclasses.replace(config, eval=dataclasses.replace(config.eval,
                                                                       tasks=args.tasks))
     environment, chat, policy = build(config)
-    rows = []
     if args.checkpoint:
-        step, state = load_checkpoint(args.checkpoint)
-        sources = [(f"checkpoint step {step}", state["policy"])]
+        path = Path(args.checkpoint)
+        _, state = load_checkpoint(path)
     else:
         found = latest_checkpoint(run_dir / "checkpoints", log=lambda m: print(m, file=sys.stderr))
         if found is None:
             print(f"agentrl-fast eval: no checkpoint in {run_dir / 'checkpoints'}", file=sys.stderr)
             return 2
-        path, step, state = found
-        sources = [(f"{path.name}", state["policy"])]
-    for name, weights in sources:
-        policy.load_state_dict(weights)
-        metrics = evaluate(policy, chat, environment, config, seed=config.seed)
-        rows.append((name, config.eval.tasks, metrics))
+        path, _, state = found
+    policy.load_state_dict(state["policy"])
+    m = evaluate(policy, chat, environment, config, seed=config.seed)
     print("| checkpoint | held-out tasks | success | mean reward | sub-traces | turns |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name, tasks, m in rows:
-        print(f"| {name} | {tasks} | {m['success']:.3f} | {m['reward']:.3f} | "
-              f"{m['sub_traces']:.2f} | {m['turns']:.2f} |")
-    del torch
+    print(f"| {path.name} | {config.eval.tasks} | {m['success']:.3f} | {m['reward']:.3f} | "
+          f"{m['sub_traces']:.2f} | {m['turns']:.2f} |")
     return 0
 
 

@@ -70,11 +70,10 @@ if str(_ROOT) not in sys.path:
 from bench import common  # noqa: E402  (bench/ is a namespace package: no __init__.py)
 from agentrl_fast.harness import ChatFormat, build_tokenizer  # noqa: E402
 from agentrl_fast.harness.generation import (Generation, SamplingParams,  # noqa: E402
-                                             TorchGenerator)
+                                             ScriptedGenerator, TorchGenerator)
 from agentrl_fast.harness.rollout import (RolloutConfig, RolloutEngine,  # noqa: E402
                                           rollout_metrics)
-from agentrl_fast.harness.vault import (ScriptedGenerator, VaultEnvironment,  # noqa: E402
-                                        expert_action)
+from agentrl_fast.harness.vault import VaultEnvironment, expert_action  # noqa: E402
 from agentrl_fast.models.tiny import tiny_qwen3, with_token_bias  # noqa: E402
 
 SCHEDULES = ("lockstep", "overlap")

@@ -10,6 +10,8 @@ that prints one JSON line per case; if the child dies, the case it died at is re
 import json
 import textwrap
 
+import pytest
+
 
 def child_code(prelude: str, cases: dict, names) -> str:
     """The child's code: the prelude, then each case, printing one JSON line per case."""
@@ -73,3 +75,20 @@ def assert_clean_exit(run_in_subprocess, prelude: str, cases: dict, names) -> No
     outcomes = parse_reports(completed.stdout)
     assert sorted(outcomes) == sorted(names)
     assert all(o["type"] == "NoError" for o in outcomes.values()), outcomes
+
+
+def bad_input_tests(prelude: str, cases: dict, names=None):
+    """``(outcomes, test)`` for a module's case table: the module-scoped ``outcomes`` fixture
+    (every case run in child processes) and a test parametrized over ``names`` (default all
+    cases) asserting each outcome. Bind both at module level, under the names pytest collects:
+    ``outcomes, test_bad_input = bad_input_tests(PRELUDE, CASES)``."""
+
+    @pytest.fixture(scope="module")
+    def outcomes(run_in_subprocess):
+        return run_cases(run_in_subprocess, prelude, cases)
+
+    @pytest.mark.parametrize("name", list(cases) if names is None else list(names))
+    def test(name, outcomes):
+        assert_outcome(name, cases, outcomes)
+
+    return outcomes, test

@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 import transformers
-from error_cases import assert_outcome, run_cases
+from error_cases import bad_input_tests
 
 from agentrl_fast.harness.generation import (FINISH_REASONS, Generation, Generator, SamplingParams,
                                              TorchGenerator, sampling_distribution)
@@ -454,11 +454,4 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def outcomes(run_in_subprocess):
-    return run_cases(run_in_subprocess, PRELUDE, CASES)
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_bad_input(name, outcomes):
-    assert_outcome(name, CASES, outcomes)
+outcomes, test_bad_input = bad_input_tests(PRELUDE, CASES)

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 import transformers
-from error_cases import assert_outcome, run_cases
+from error_cases import bad_input_tests
 
 from agentrl_fast.models import (ATTN_NAME, pack, packed_attention_forward, packed_attention_mask,
                                  packed_forward, position_ids_from_cu_seqlens, register_attention,
@@ -393,14 +393,7 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def outcomes(run_in_subprocess):
-    return run_cases(run_in_subprocess, PRELUDE, CASES)
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_bad_input(name, outcomes):
-    assert_outcome(name, CASES, outcomes)
+outcomes, test_bad_input = bad_input_tests(PRELUDE, CASES)
 
 
 # ---------------------------------------------------------------------------------------------

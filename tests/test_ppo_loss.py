@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from error_cases import assert_outcome, run_cases
+from error_cases import bad_input_tests
 
 from agentrl_fast.ops.reference import (loss_weights_reference, ppo_loss_reference,
                                                   value_loss_reference)
@@ -502,11 +502,4 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def outcomes(run_in_subprocess):
-    return run_cases(run_in_subprocess, PRELUDE, CASES)
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_bad_arguments(name, outcomes):
-    assert_outcome(name, CASES, outcomes)
+outcomes, test_bad_arguments = bad_input_tests(PRELUDE, CASES)

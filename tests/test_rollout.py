@@ -14,7 +14,8 @@ from agentrl_fast.harness import ChatFormat, MemoryStore, build_tokenizer, tool
 from agentrl_fast.harness.generation import SamplingParams, TorchGenerator
 from agentrl_fast.harness.rollout import (CompactionState, RolloutConfig, RolloutEngine,
                                           default_summary, derive_seed, rollout_metrics)
-from agentrl_fast.harness.vault import (CODE_WORDS, VAULT_NAMES, ScriptedGenerator,
+from agentrl_fast.harness.generation import ScriptedGenerator
+from agentrl_fast.harness.vault import (CODE_WORDS, VAULT_NAMES,
                                         VaultEnvironment, VaultEpisode, expert_action, score)
 from agentrl_fast.models import pack, packed_forward, use_packed_attention
 from agentrl_fast.models.tiny import tiny_qwen3, with_token_bias

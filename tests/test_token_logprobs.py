@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from error_cases import assert_outcome, run_cases
+from error_cases import bad_input_tests
 
 from agentrl_fast.ops.reference import (linear_token_logprobs_reference,
                                                         token_logprobs_reference)
@@ -549,11 +549,4 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def outcomes(run_in_subprocess):
-    return run_cases(run_in_subprocess, PRELUDE, CASES)
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_bad_input(name, outcomes):
-    assert_outcome(name, CASES, outcomes)
+outcomes, test_bad_input = bad_input_tests(PRELUDE, CASES)

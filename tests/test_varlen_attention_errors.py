@@ -10,7 +10,7 @@ outputs may be anything there.
 import textwrap
 
 import pytest
-from error_cases import assert_clean_exit, assert_outcome, run_cases
+from error_cases import assert_clean_exit, bad_input_tests
 
 PRELUDE = textwrap.dedent("""
     import json, math, sys
@@ -187,14 +187,8 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def outcomes(run_in_subprocess):
-    return run_cases(run_in_subprocess, PRELUDE, CASES)
-
-
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[0] != "NoError"])
-def test_bad_input_raises(name, outcomes):
-    assert_outcome(name, CASES, outcomes)
+outcomes, test_bad_input_raises = bad_input_tests(
+    PRELUDE, CASES, [n for n, c in CASES.items() if c[0] != "NoError"])
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[0] == "NoError"])

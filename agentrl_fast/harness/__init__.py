@@ -6,7 +6,8 @@ DESIGN.md ("The harness")."""
 from agentrl_fast.harness.chat_format import (SPECIAL_TOKENS, STOP_MODES, ChatFormat,
                                               render_messages)
 from agentrl_fast.harness.environment import Environment, Episode, Task
-from agentrl_fast.harness.generation import Generation, Generator, SamplingParams, TorchGenerator
+from agentrl_fast.harness.generation import (Generation, Generator, SamplingParams,
+                                             ScriptedGenerator, TorchGenerator)
 from agentrl_fast.harness.memory import MemoryNamespace, MemoryStore
 from agentrl_fast.harness.rollout import (CompactionState, RolloutConfig, RolloutEngine,
                                           RolloutStats, default_summary, derive_seed,
@@ -18,7 +19,7 @@ from agentrl_fast.harness.tools import (FAILURE_KINDS, Tool, ToolRegistry, ToolR
                                         count_failures, tool)
 from agentrl_fast.harness.trajectory import (END_KINDS, SubTrace, Trajectory, TurnOutcome,
                                              apply_turn)
-from agentrl_fast.harness.vault import ScriptedGenerator, VaultEnvironment, expert_action
+from agentrl_fast.harness.vault import VaultEnvironment, expert_action
 
 __all__ = [
     "CompactionState", "Environment", "Episode", "Generation", "Generator", "RolloutConfig",

@@ -211,12 +211,6 @@ def render_messages(messages: Sequence[Mapping], tools: Iterable[Mapping] | None
                                                      enable_thinking))
 
 
-def tool_results_text(contents: Sequence[str]) -> str:
-    """The user turn that carries tool results (what ``render_messages`` makes of consecutive
-    ``tool`` messages)."""
-    return render_messages([{"role": "tool", "content": c} for c in contents])
-
-
 class ChatFormat:
     """Token-level Qwen3 rendering with any HF tokenizer that has the Qwen3 special tokens.
 

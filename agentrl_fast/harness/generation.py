@@ -14,9 +14,12 @@ import contextlib
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from agentrl_fast.harness.chat_format import ChatFormat
 
 FINISH_REASONS = ("stop", "length")
 
@@ -215,3 +218,27 @@ class TorchGenerator:
                                 position_ids=position_ids, use_cache=True,
                                 **{self._cache_argument: cache}).logits[:, -1]
         return [Generation(i, lp, r) for i, lp, r in zip(ids, logprobs, reasons)]
+
+
+class ScriptedGenerator:
+    """A :class:`~agentrl_fast.harness.generation.Generator` that runs a text policy
+    (``policy(context_text) -> output_text``) through the real engine: it decodes each prompt,
+    asks the policy, and returns the output's ids plus the stop id the output calls for
+    (``</tool_call>`` ends a call in ``"tool_call"`` mode — it is the output's last token —
+    otherwise ``<|im_end|>``), with log-prob 0 (a deterministic policy)."""
+
+    def __init__(self, policy: Callable[[str], str], chat_format: "ChatFormat"):
+        self.policy = policy
+        self.chat_format = chat_format
+
+    def generate(self, prompts, sampling: SamplingParams, seeds=None) -> list[Generation]:
+        out = []
+        for prompt in prompts:
+            text = self.policy(self.chat_format.decode(prompt))
+            ids = self.chat_format.encode(text)
+            if not (ids and ids[-1] in sampling.stop_ids):
+                ids.append(self.chat_format.im_end_id)
+            ids = ids[:sampling.max_new_tokens]
+            reason = "stop" if ids[-1] in sampling.stop_ids else "length"
+            out.append(Generation(ids, [0.0] * len(ids), reason))
+        return out

@@ -15,8 +15,8 @@ reads the clock, so episodes are deterministic. Splits: ``"train"`` and a held-o
 whose vault lists never occur in ``"train"``.
 
 :func:`expert_action` is a scripted policy that reads the context text and returns the next
-assistant output; :class:`ScriptedGenerator` runs any such policy through the real rollout
-engine (warm-start demonstrations and tests).
+assistant output; :class:`~agentrl_fast.harness.generation.ScriptedGenerator` runs it through
+the real rollout engine (warm-start demonstrations and tests).
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
-from agentrl_fast.harness.chat_format import ChatFormat, IM_START, TOOL_RESPONSE_CLOSE
+from agentrl_fast.harness.chat_format import IM_START, TOOL_RESPONSE_CLOSE
 from agentrl_fast.harness.environment import SPLITS, Task
-from agentrl_fast.harness.generation import Generation, SamplingParams
 from agentrl_fast.harness.memory import MemoryNamespace
 from agentrl_fast.harness.tool_calls import ToolCall, parse_tool_calls
 from agentrl_fast.harness.tools import Tool, ToolResult, tool
@@ -246,27 +245,3 @@ def expert_action(context: str) -> str:
         if vault not in known:
             return _call_text("memory_read", {"key": vault})
     return "Codes: " + " ".join(known[v] for v in vaults)
-
-
-class ScriptedGenerator:
-    """A :class:`~agentrl_fast.harness.generation.Generator` that runs a text policy
-    (``policy(context_text) -> output_text``) through the real engine: it decodes each prompt,
-    asks the policy, and returns the output's ids plus the stop id the output calls for
-    (``</tool_call>`` ends a call in ``"tool_call"`` mode — it is the output's last token —
-    otherwise ``<|im_end|>``), with log-prob 0 (a deterministic policy)."""
-
-    def __init__(self, policy: Callable[[str], str], chat_format: ChatFormat):
-        self.policy = policy
-        self.chat_format = chat_format
-
-    def generate(self, prompts, sampling: SamplingParams, seeds=None) -> list[Generation]:
-        out = []
-        for prompt in prompts:
-            text = self.policy(self.chat_format.decode(prompt))
-            ids = self.chat_format.encode(text)
-            if not (ids and ids[-1] in sampling.stop_ids):
-                ids.append(self.chat_format.im_end_id)
-            ids = ids[:sampling.max_new_tokens]
-            reason = "stop" if ids[-1] in sampling.stop_ids else "length"
-            out.append(Generation(ids, [0.0] * len(ids), reason))
-        return out
