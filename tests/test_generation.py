@@ -251,7 +251,9 @@ def test_stop_ids_end_sequences_and_the_loop(flat, temperature):
         out = generator.generate(prompts, sampling, seeds=seeds)
     for row, (g, b, (ids, reason)) in enumerate(zip(out, base, expected)):
         assert (g.ids, g.finish_reason) == (ids, reason), f"row {row}: stops {stops}, base {b.ids}"
-        assert g.logprobs == b.logprobs[:len(ids)], f"row {row}"
+        # finished rows leave the batch, so later steps run at another batch size: equal up to
+        # float32 rounding
+        assert g.logprobs == pytest.approx(b.logprobs[:len(ids)], abs=1e-5), f"row {row}"
         assert not any(t in stops for t in g.ids[:-1]), f"row {row}: ids after a stop"
     assert out[1].ids == [stops[0]] and out[1].finish_reason == "stop"
     assert counter.calls == max_new

@@ -117,7 +117,7 @@ def make_sub_trace(rollout_id, index, mask, rewards, end):
     return s
 
 
-def reference_chained_gae(rollout_subs, values, last_values, gamma, lam):
+def reference_chained_gae(rollout_subs, values, last_values, gamma, lam, bootstrap_truncated=True):
     """Float64, over the unsplit trajectory (all action tokens of the rollout in order) with the
     same compaction points: at the last action token of a continued sub-trace, the next value is
     V at the next sub-trace's first action token and the GAE sum restarts (A_next = 0)."""
@@ -136,7 +136,7 @@ def reference_chained_gae(rollout_subs, values, last_values, gamma, lam):
             if s.end == "terminal":
                 bootstrap = 0.0
             elif s.end == "truncated":
-                bootstrap = float(last_values[k])
+                bootstrap = float(last_values[k]) if bootstrap_truncated else 0.0
             else:
                 bootstrap = steps[i + 1][3]
             next_value, next_advantage = bootstrap, 0.0
@@ -146,8 +146,9 @@ def reference_chained_gae(rollout_subs, values, last_values, gamma, lam):
     return advantages
 
 
-@pytest.mark.parametrize("last_end", ["terminal", "truncated"])
-def test_gae_chains_across_sub_traces(last_end):
+@pytest.mark.parametrize("last_end,bootstrap_truncated",
+                         [("terminal", True), ("truncated", True), ("truncated", False)])
+def test_gae_chains_across_sub_traces(last_end, bootstrap_truncated):
     generator = torch.Generator().manual_seed(5)
     masks = [[1, 0, 1, 1], [0, 0], [1, 1, 0, 1, 0], [0, 1]]  # the second has no action token
     ends = ["continued", "continued", "continued", last_end]
@@ -160,11 +161,12 @@ def test_gae_chains_across_sub_traces(last_end):
     values = [torch.randn(len(s), generator=generator) for s in batch]
     last = torch.randn(len(batch), generator=generator)
     gamma, lam = 0.97, 0.9
-    advantages, returns = gae_advantages(batch, values, last, gamma=gamma, lam=lam)
+    advantages, returns = gae_advantages(batch, values, last, gamma=gamma, lam=lam,
+                                         bootstrap_truncated=bootstrap_truncated)
     rollout_positions = [0, 1, 3, 4]
     expected = reference_chained_gae([batch[i] for i in rollout_positions],
                                      [values[i] for i in rollout_positions],
-                                     last[rollout_positions], gamma, lam)
+                                     last[rollout_positions], gamma, lam, bootstrap_truncated)
     for k, i in enumerate(rollout_positions):
         for t, m in enumerate(batch[i].action_mask):
             if m:
@@ -173,11 +175,12 @@ def test_gae_chains_across_sub_traces(last_end):
                                                               abs=1e-5)
             else:
                 assert advantages[i][t].item() == 0.0
-    bootstrap = bootstrap_values(batch, values, last)
+    bootstrap = bootstrap_values(batch, values, last, bootstrap_truncated=bootstrap_truncated)
     # continued -> V at the first action token of the next sub-trace with one (skipping index 1)
     assert bootstrap[0].item() == pytest.approx(values[3][1].item())
     assert bootstrap[1].item() == pytest.approx(values[3][1].item())
-    assert bootstrap[4].item() == pytest.approx(0.0 if last_end == "terminal" else last[4].item())
+    cut_by_limit = last_end == "truncated" and bootstrap_truncated
+    assert bootstrap[4].item() == pytest.approx(last[4].item() if cut_by_limit else 0.0)
 
 
 def test_gae_needs_whole_rollouts():

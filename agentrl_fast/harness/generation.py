@@ -192,31 +192,37 @@ class TorchGenerator:
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=True, logits_to_keep=1,
                             **{self._cache_argument: cache}).logits[:, -1]
+        rows = list(range(batch))  # the prompt row of each row still in the batch
         for step in range(sampling.max_new_tokens):
             recorded, filtered = sampling_distribution(logits, sampling)
             if sampling.temperature == 0:
                 tokens = filtered.argmax(-1).cpu()
             else:
                 probs = filtered.exp().cpu()
-                tokens = torch.stack([torch.multinomial(probs[row], 1, generator=generators[row])[0]
-                                      for row in range(batch)])
+                tokens = torch.stack([torch.multinomial(probs[k], 1, generator=generators[row])[0]
+                                      for k, row in enumerate(rows)])
             token_logprobs = recorded.cpu().gather(-1, tokens[:, None])[:, 0]
             is_stop = torch.isin(tokens.to(device), stops).cpu()
-            for row in range(batch):
-                if finished[row]:
-                    continue
-                ids[row].append(int(tokens[row]))
-                logprobs[row].append(float(token_logprobs[row]))
-                if is_stop[row]:
+            for k, row in enumerate(rows):
+                ids[row].append(int(tokens[k]))
+                logprobs[row].append(float(token_logprobs[k]))
+                if is_stop[k]:
                     finished[row], reasons[row] = True, "stop"
-            if all(finished) or step == sampling.max_new_tokens - 1:
+            keep = [k for k, row in enumerate(rows) if not finished[row]]
+            if not keep or step == sampling.max_new_tokens - 1:
                 break  # no forward for logits that would not be sampled from
-            tokens = torch.where(torch.tensor(finished), self.pad_id, tokens).to(device)
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+            if len(keep) < len(rows):  # finished rows leave the batch (and the cache)
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                attention_mask, position_ids = attention_mask[index], position_ids[index]
+                tokens = tokens[keep]
+                rows = [rows[k] for k in keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)],
+                                       dim=1)
             position_ids = position_ids[:, -1:] + 1
-            logits = self.model(input_ids=tokens[:, None], attention_mask=attention_mask,
-                                position_ids=position_ids, use_cache=True,
-                                **{self._cache_argument: cache}).logits[:, -1]
+            logits = self.model(input_ids=tokens[:, None].to(device),
+                                attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=True, **{self._cache_argument: cache}).logits[:, -1]
         return [Generation(i, lp, r) for i, lp, r in zip(ids, logprobs, reasons)]
 
 

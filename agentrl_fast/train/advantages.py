@@ -5,6 +5,12 @@ Bootstrap of a sub-trace (DESIGN.md, "GAE over packed trajectories"): ``terminal
 ``truncated`` the critic's value after its last token; ``continued`` ``V`` at the first action
 token of the rollout's next sub-trace (a sub-trace without action tokens is skipped: the chain
 passes through to its own bootstrap).
+
+``bootstrap_truncated=False`` treats a limit as the end of the episode (bootstrap 0), for
+environments whose limits are part of the task: the rollout engine scores a truncated episode
+(``finish(None)``), so its return is known and a critic's value after it would count the future
+twice — and would make running into a limit look as good as the critic's guess, which a policy
+learns to exploit (loops until ``max_turns``).
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ def _first_action(sub_trace: SubTrace) -> int | None:
 
 
 def bootstrap_values(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tensor],
-                     last_values: torch.Tensor) -> torch.Tensor:
+                     last_values: torch.Tensor, *, bootstrap_truncated: bool = True
+                     ) -> torch.Tensor:
     """``[B]`` float32 bootstrap values of ``sub_traces`` (whole rollouts, each rollout's
     sub-traces in order). ``values[i]``: ``V`` per token of sub-trace ``i``; ``last_values[i]``:
-    the value after its last token."""
+    the value after its last token (used for ``truncated`` sub-traces unless
+    ``bootstrap_truncated`` is False: then 0, as terminal)."""
     position = {(s.rollout_id, s.index): i for i, s in enumerate(sub_traces)}
     out = torch.zeros(len(sub_traces), dtype=torch.float32)
     resolved: dict[int, float] = {}
@@ -42,7 +50,7 @@ def bootstrap_values(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tens
         if s.end == "terminal":
             value = 0.0
         elif s.end == "truncated":
-            value = float(last_values[i])
+            value = float(last_values[i]) if bootstrap_truncated else 0.0
         elif s.end == "continued":
             j = position.get((s.rollout_id, s.index + 1))
             if j is None:
@@ -64,11 +72,13 @@ def bootstrap_values(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tens
 
 def gae_advantages(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tensor],
                    last_values: torch.Tensor, *, gamma: float, lam: float,
-                   rewards: Sequence[torch.Tensor] | None = None
+                   rewards: Sequence[torch.Tensor] | None = None,
+                   bootstrap_truncated: bool = True
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-sub-trace ``(advantages, returns)`` (float32, 0 on non-action tokens) by the ``gae``
     op over the whole batch packed, with :func:`bootstrap_values`. ``rewards`` overrides the
-    sub-traces' own (for example with a KL penalty folded in)."""
+    sub-traces' own (for example with a KL penalty folded in); ``bootstrap_truncated`` as in
+    :func:`bootstrap_values`."""
     lengths = [len(s) for s in sub_traces]
     cu_seqlens = torch.zeros(len(sub_traces) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
@@ -79,7 +89,9 @@ def gae_advantages(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tensor
     flat_values = torch.cat([v.float() for v in values]) if sub_traces else torch.zeros(0)
     mask = torch.tensor([m for s in sub_traces for m in s.action_mask], dtype=torch.bool)
     advantages, returns = gae(flat_rewards, flat_values, cu_seqlens, action_mask=mask,
-                              bootstrap_values=bootstrap_values(sub_traces, values, last_values),
+                              bootstrap_values=bootstrap_values(
+                                  sub_traces, values, last_values,
+                                  bootstrap_truncated=bootstrap_truncated),
                               gamma=gamma, lam=lam)
     return list(advantages.split(lengths)), list(returns.split(lengths))
 

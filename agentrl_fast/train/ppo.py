@@ -63,6 +63,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     gamma: float = 1.0
     lam: float = 0.95
+    bootstrap_truncated: bool = True  # False: a limit ends the episode (see train.advantages)
     whiten_advantages: bool = True
     loss_agg_mode: str | None = None  # default: token-mean (ppo), rollout-mean (grpo)
     loss_norm_constant: float | None = None  # seq-mean-token-sum-norm's constant
@@ -292,7 +293,8 @@ class Trainer:
                 rewards = [r - self.kl_coef * k for r, k in zip(rewards, kl)]
         if config.algo == "ppo":
             advantages, returns = gae_advantages(sub_traces, values, last, gamma=config.gamma,
-                                                 lam=config.lam, rewards=rewards)
+                                                 lam=config.lam, rewards=rewards,
+                                                 bootstrap_truncated=config.bootstrap_truncated)
             if config.whiten_advantages:
                 advantages = whiten_per_sub_trace(advantages, sub_traces)
         else:
