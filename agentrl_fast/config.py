@@ -53,12 +53,17 @@ class ModelConfig:
 
 @dataclass
 class WarmStartConfig:
-    """Supervised warm-start: ``demos`` expert rollouts (train tasks), ``steps`` AdamW steps."""
+    """Supervised warm-start: ``demos`` expert rollouts (train tasks), ``steps`` AdamW steps.
+    ``expert_save_probability`` / ``expert_read_probability`` below 1 make the expert careless
+    (``expert_action``: it skips saving, or reading back, some codes), so the demonstrations
+    leave something for RL to improve on."""
 
     demos: int = 200
     steps: int = 300
     lr: float = 3e-3
     batch_sequences: int = 32
+    expert_save_probability: float = 1.0
+    expert_read_probability: float = 1.0
 
 
 @dataclass
@@ -158,7 +163,9 @@ def default_config() -> RunConfig:
     return RunConfig(train=TrainConfig(
         algo="ppo", steps=40, tasks_per_step=8, micro_batch_tokens=2048, mini_batches=2,
         epochs=2, policy_lr=1e-4, critic_lr=3e-3, lam=0.95, gamma=1.0, kl_coef=0.0,
-        entropy_coef=0.0, rollout=RolloutConfig(
+        entropy_coef=0.0,
+        bootstrap_truncated=False,  # the vault task's limits end the episode (scored 0)
+        rollout=RolloutConfig(
             samples_per_task=4, context_budget=200, max_turns=24, summary_chars=200,
             sampling=SamplingParams(temperature=1.0, max_new_tokens=24))))
 
@@ -209,6 +216,10 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"eval.temperature must be >= 0, got {config.eval.temperature}")
     if config.warmstart.demos < 0 or config.warmstart.steps < 0:
         raise ConfigError("warmstart.demos and warmstart.steps must be >= 0")
+    for name in ("expert_save_probability", "expert_read_probability"):
+        if not 0.0 <= getattr(config.warmstart, name) <= 1.0:
+            raise ConfigError(f"warmstart.{name} must be in [0, 1], "
+                              f"got {getattr(config.warmstart, name)}")
     if config.warmstart.steps and not config.warmstart.demos:
         raise ConfigError("warmstart.steps > 0 needs warmstart.demos > 0")
     if config.model.num_heads % config.model.num_kv_heads:

@@ -188,6 +188,42 @@ def test_expert_solves_the_environment_through_the_engine(env, chat):
                                                                            world.codes))
 
 
+def test_a_vault_shows_its_code_once(env):
+    task = next(t for t in env.tasks("train") if set(t.data["world"].vaults) - t.data["world"].jammed)
+    world = task.data["world"]
+    with MemoryStore() as store:
+        episode = env.start(task, store.namespace("once"), seed=0)
+        open_vault = next(t for t in episode.tools if t.name == "open_vault")
+        vault = next(v for v in world.vaults if v not in world.jammed)
+        code = world.codes[world.vaults.index(vault)]
+        assert open_vault.fn(name=vault) == f"vault {vault}: code {code}"
+        with pytest.raises(RuntimeError, match=f"vault {vault} is empty; it showed its code once"):
+            open_vault.fn(name=vault)
+
+
+@pytest.mark.parametrize("careless", [{"read_probability": 0.0}, {"save_probability": 0.0},
+                                      {"read_probability": 0.5}])
+def test_a_careless_expert_loses_codes_and_answers_none(env, chat, careless):
+    import functools
+    expert = functools.partial(expert_action, **careless)
+    engine = RolloutEngine(ScriptedGenerator(expert, chat), chat, env,
+                           config(samples_per_task=1, context_budget=200, max_turns=30,
+                                  summary_chars=200))
+    tasks = env.tasks("train")[:60]
+    trajectories = engine.run(tasks, seed=0)
+    again = engine.run(tasks, seed=1)  # its choices are fixed per task and vault
+    assert [t.reward for t in trajectories] == [t.reward for t in again]
+    texts = ["".join(chat.decode(s.ids) for s in t.sub_traces) for t in trajectories]
+    assert all(t.sub_traces[-1].end == "terminal" for t in trajectories)  # it still answers
+    lost = [t for t in texts if "Codes:" in t and " none" in t.split("Codes:")[-1]]
+    assert lost, "a careless expert loses some codes"
+    assert 0.0 < rollout_metrics(trajectories)["success"] < 1.0
+    if careless.get("read_probability") == 0.0:
+        assert not any('<tool_call>\n{"name": "memory_read"' in t for t in texts)
+    if careless.get("save_probability") == 0.0:
+        assert not any('<tool_call>\n{"name": "memory_write"' in t for t in texts)
+
+
 class FlakyVaultEnvironment(VaultEnvironment):
     """Sample 0 of every task gets an extra tool that hangs past its timeout or raises; the
     expert calls it first. Other rollouts never see it."""

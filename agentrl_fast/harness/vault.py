@@ -3,10 +3,12 @@ memory across context compactions, recovering from jammed vaults, and answer the
 
 A task names ``k`` vaults. ``open_vault(name)`` returns ``vault <name>: code <code>``, except
 that some vaults are jammed on their first opening (the tool raises; the model reads the error
-and must open the vault again) and unknown names raise. The context budget is small, so the
+and must open the vault again), a vault shows its code once (opening it again raises: it is
+empty) and unknown names raise. The context budget is small, so the
 conversation is compacted into sub-traces and codes seen earlier are gone from the context:
 the agent must ``memory_write`` each code when it sees it and ``memory_read`` the codes it no
-longer sees before answering (the compaction summary lists the memory keys). The answer is the
+longer sees before answering (the compaction summary lists the memory keys); a code neither
+saved nor in view is lost (the answer writes ``none`` in its place). The answer is the
 codes in the task's order (``Codes: falcon tiger``); the reward is the fraction of positions
 right, success all of them.
 
@@ -15,12 +17,14 @@ reads the clock, so episodes are deterministic. Splits: ``"train"`` and a held-o
 whose vault lists never occur in ``"train"``.
 
 :func:`expert_action` is a scripted policy that reads the context text and returns the next
-assistant output; :class:`~agentrl_fast.harness.generation.ScriptedGenerator` runs it through
+assistant output (with ``save_probability`` < 1 a careless expert that skips saving some codes,
+a fixed choice per task and vault: demonstrations RL can improve on); :class:`~agentrl_fast.harness.generation.ScriptedGenerator` runs it through
 the real rollout engine (warm-start demonstrations and tests).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -40,10 +44,11 @@ VAULT_NAMES = ("amber", "birch", "cedar", "delta", "ember", "frost", "grove", "h
 CODE_WORDS = ("falcon", "tiger", "otter", "heron", "lynx", "bison", "crane", "eagle", "gecko",
               "hyena", "ibis", "jackal", "koala", "lemur", "moose", "newt", "ocelot", "panda",
               "quail", "robin", "seal", "tapir", "viper", "walrus", "yak", "zebra")
-SYSTEM_PROMPT = ("You open vaults to collect their codes. Save each code with memory_write as "
-                 "soon as you see it; your context may be reset, then read saved codes with "
-                 "memory_read. A jammed vault opens on a second try. Answer with the codes in "
-                 "the task's order, like: Codes: falcon tiger")
+SYSTEM_PROMPT = ("You open vaults to collect their codes. A vault shows its code once: save "
+                 "each code with memory_write as soon as you see it; your context may be reset, "
+                 "then read saved codes with memory_read. A jammed vault opens on a second try. "
+                 "Answer with the codes in the task's order, like: Codes: falcon tiger")
+LOST_CODE = "none"  # the answer's word for a code the agent no longer has
 MEMORY_TOOLS = ("memory_write", "memory_read")
 _TASK_PATTERN = re.compile(r"Collect the codes of vaults ([a-z ,]+?)\.")
 _ANSWER_PATTERN = re.compile(r"Codes:\s*(.*)", re.S)
@@ -89,6 +94,7 @@ class VaultEpisode:
     system_prompt: str = SYSTEM_PROMPT
     reward: float = 0.0
     opened: dict = field(default_factory=dict)
+    shown: set = field(default_factory=set)
 
     def __post_init__(self):
         self.prompt = task_prompt(self.world.vaults)
@@ -106,6 +112,9 @@ class VaultEpisode:
             self.opened[name] = self.opened.get(name, 0) + 1
             if name in self.world.jammed and self.opened[name] == 1:
                 raise RuntimeError(f"vault {name} is jammed; open it again")
+            if name in self.shown:
+                raise RuntimeError(f"vault {name} is empty; it showed its code once")
+            self.shown.add(name)
             return f"vault {name}: code {codes[name]}"
 
         memory_tools = [t for t in self.memory.tools() if t.name in MEMORY_TOOLS]
@@ -171,18 +180,19 @@ class VaultEnvironment:
 
     def words(self) -> tuple[str, ...]:
         """Entity names the built-in tokenizer keeps whole (one id wherever they appear)."""
-        return VAULT_NAMES + CODE_WORDS
+        return VAULT_NAMES + CODE_WORDS + (LOST_CODE,)
 
     def corpus(self) -> list[str]:
         """Text for the built-in tokenizer: the prompts, tool outputs and expert actions."""
         lines = [SYSTEM_PROMPT]
         for name in VAULT_NAMES:
-            lines.append(f"vault {name}: code falcon. vault {name} is jammed; open it again")
+            lines.append(f"vault {name}: code falcon. vault {name} is jammed; open it again. "
+                         f"vault {name} is empty; it showed its code once")
             lines.append(_call_text("open_vault", {"name": name}))
             lines.append(_call_text("memory_read", {"key": name}))
             for code in CODE_WORDS:
                 lines.append(_call_text("memory_write", {"key": name, "value": code}))
-        lines.append("Codes: " + " ".join(CODE_WORDS))
+        lines.append("Codes: " + " ".join(CODE_WORDS) + f" {LOST_CODE}")
         lines.append(task_prompt(VAULT_NAMES))
         # The system turn with the tools header starts every sub-trace: weigh it so its words
         # and JSON become few tokens.
@@ -208,13 +218,29 @@ def _current_task_vaults(context: str) -> list[str]:
     return [v.strip() for v in matches[-1].split(",")] if matches else []
 
 
-def expert_action(context: str) -> str:
+def _chooses(vaults: Sequence[str], vault: str, what: str, probability: float) -> bool:
+    """The careless expert's fixed choice to do ``what`` for ``vault`` in this task."""
+    if probability >= 1.0:
+        return True
+    digest = hashlib.blake2b(f"{what}/{','.join(vaults)}/{vault}".encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2 ** 64 < probability
+
+
+def expert_action(context: str, save_probability: float = 1.0,
+                  read_probability: float = 1.0) -> str:
     """The next assistant output for the vault task, read from the context text alone: save a
-    code seen but not saved, open a vault neither seen nor saved (again if it was jammed), read
-    a saved code no longer in view, else answer."""
+    code seen but not saved, open a vault neither seen nor saved nor emptied (again if it was
+    jammed), read a saved code no longer in view, else answer (``none`` for a lost code).
+
+    A careless expert (fixed choices per task and vault): ``save_probability`` < 1 saves each
+    code with that probability (a code not saved is lost once compaction drops it from view);
+    ``read_probability`` < 1 reads each saved code it no longer sees with that probability before
+    answering (``none`` for the others)."""
     vaults = _current_task_vaults(context)
     known: dict[str, str] = {}
     saved: set[str] = set()
+    emptied = set(re.findall(r"vault ([a-z]+) is empty", context))
     # The compaction summary lists saved keys and may repeat recent tool results.
     for listed in re.findall(r"Saved in memory: ([a-z, ]+)\.", context):
         saved.update(k.strip() for k in listed.split(",") if k.strip())
@@ -236,12 +262,18 @@ def expert_action(context: str) -> str:
             elif call.name == "memory_read":
                 known[call.arguments.get("key")] = response.strip()
     for vault in vaults:
-        if vault in known and vault not in saved:
+        if vault in known and vault not in saved and _chooses(vaults, vault, "save",
+                                                              save_probability):
             return _call_text("memory_write", {"key": vault, "value": known[vault]})
-    for vault in vaults:
-        if vault not in known and vault not in saved:
+    # Vaults are opened in the task's order: one before a vault already seen was opened (its
+    # code, if neither saved nor in view, is lost).
+    seen = [i for i, v in enumerate(vaults) if v in known or v in saved or v in emptied]
+    for i, vault in enumerate(vaults):
+        if vault not in known and vault not in saved and vault not in emptied \
+                and not (seen and i < max(seen)):
             return _call_text("open_vault", {"name": vault})
     for vault in vaults:
-        if vault not in known:
+        if vault not in known and vault in saved and _chooses(vaults, vault, "read",
+                                                              read_probability):
             return _call_text("memory_read", {"key": vault})
-    return "Codes: " + " ".join(known[v] for v in vaults)
+    return "Codes: " + " ".join(known.get(v, LOST_CODE) for v in vaults)

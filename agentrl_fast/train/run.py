@@ -10,6 +10,7 @@ TensorBoard events (``tb/``), ``curves.png`` (reward and success), ``summary.txt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -140,9 +141,16 @@ def train_run(config: RunConfig, *, progress: bool = True,
     resuming = any((run_dir / "checkpoints").glob("step-*"))
     demos = []
     if not resuming and config.warmstart.steps:
-        demos = demonstrations(expert_action, chat, environment,
+        careless = (config.warmstart.expert_save_probability,
+                    config.warmstart.expert_read_probability) != (1.0, 1.0)
+        expert = functools.partial(
+            expert_action, save_probability=config.warmstart.expert_save_probability,
+            read_probability=config.warmstart.expert_read_probability)
+        # A careless expert is imitated as it is, failures included.
+        demos = demonstrations(expert, chat, environment,
                                environment.tasks("train")[:config.warmstart.demos],
-                               config.train.rollout, seed=config.seed)
+                               config.train.rollout, seed=config.seed,
+                               successful_only=not careless)
         if not demos:
             raise ConfigError(f"warmstart.demos: the expert solved none of "
                               f"{config.warmstart.demos} tasks within the train.rollout "
