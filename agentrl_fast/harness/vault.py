@@ -4,22 +4,23 @@ memory across context compactions, recovering from jammed vaults, and answer the
 A task names ``k`` vaults. ``open_vault(name)`` returns ``vault <name>: code <code>``, except
 that some vaults are jammed on their first opening (the tool raises; the model reads the error
 and must open the vault again), a vault shows its code once (opening it again raises: it is
-empty) and unknown names raise. The context budget is small, so the
-conversation is compacted into sub-traces and codes seen earlier are gone from the context:
-the agent must ``memory_write`` each code when it sees it and ``memory_read`` the codes it no
-longer sees before answering (the compaction summary lists the memory keys); a code neither
-saved nor in view is lost (the answer writes ``none`` in its place). The answer is the
-codes in the task's order (``Codes: falcon tiger``); the reward is the fraction of positions
-right, success all of them.
+empty) and unknown names raise. The context budget is small, so the conversation is compacted
+into sub-traces and codes seen earlier are gone from the context: the agent must
+``memory_write`` each code when it sees it and ``memory_read`` the codes it no longer sees
+before answering (the compaction summary lists the memory keys); a code neither saved nor in
+view is lost (the answer writes ``none`` in its place). The answer is the codes in the task's
+order (``Codes: falcon tiger``); the reward is the fraction of positions right, success all of
+them.
 
 Everything is a pure function of the task id (world: names, codes, jammed vaults) and no tool
 reads the clock, so episodes are deterministic. Splits: ``"train"`` and a held-out ``"eval"``
 whose vault lists never occur in ``"train"``.
 
 :func:`expert_action` is a scripted policy that reads the context text and returns the next
-assistant output (with ``save_probability`` < 1 a careless expert that skips saving some codes,
-a fixed choice per task and vault: demonstrations RL can improve on); :class:`~agentrl_fast.harness.generation.ScriptedGenerator` runs it through
-the real rollout engine (warm-start demonstrations and tests).
+assistant output; :class:`~agentrl_fast.harness.generation.ScriptedGenerator` runs it through
+the real rollout engine (warm-start demonstrations and tests). With ``save_probability`` or
+``read_probability`` below 1 it is a careless expert that skips saving, or reading back, some
+codes (a fixed choice per task and vault): demonstrations RL can improve on.
 """
 
 from __future__ import annotations
