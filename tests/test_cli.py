@@ -64,6 +64,8 @@ def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
     (["--config", "nowhere.yaml"], "config file nowhere.yaml does not exist"),
     (["--set", "train.rollout.max_turns=2", "--set", "warmstart.demos=4"],
      "warmstart.demos: the expert solved none of 4 tasks"),
+    (["--set", "warmstart.expert_read_probability=1.5"],
+     "warmstart.expert_read_probability must be in [0, 1], got 1.5"),
 ])
 def test_bad_configuration_fails_at_start_naming_the_field(args, fragment, tmp_path):
     result = cli("train", "--run-dir", str(tmp_path / "run"), "--no-progress", *args,
