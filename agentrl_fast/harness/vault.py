@@ -25,7 +25,6 @@ codes (a fixed choice per task and vault): demonstrations RL can improve on.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
@@ -35,6 +34,7 @@ from typing import Sequence
 from agentrl_fast.harness.chat_format import IM_START, TOOL_RESPONSE_CLOSE
 from agentrl_fast.harness.environment import SPLITS, Task
 from agentrl_fast.harness.memory import MemoryNamespace
+from agentrl_fast.harness.rollout import derive_seed
 from agentrl_fast.harness.tool_calls import ToolCall, parse_tool_calls
 from agentrl_fast.harness.tools import Tool, ToolResult, tool
 
@@ -95,7 +95,6 @@ class VaultEpisode:
     system_prompt: str = SYSTEM_PROMPT
     reward: float = 0.0
     opened: dict = field(default_factory=dict)
-    shown: set = field(default_factory=set)
 
     def __post_init__(self):
         self.prompt = task_prompt(self.world.vaults)
@@ -111,11 +110,11 @@ class VaultEpisode:
             if name not in codes:
                 raise ValueError(f"no vault named {json.dumps(name)}")
             self.opened[name] = self.opened.get(name, 0) + 1
-            if name in self.world.jammed and self.opened[name] == 1:
+            jammed = name in self.world.jammed
+            if jammed and self.opened[name] == 1:
                 raise RuntimeError(f"vault {name} is jammed; open it again")
-            if name in self.shown:
+            if self.opened[name] > 1 + jammed:  # its one showing is past
                 raise RuntimeError(f"vault {name} is empty; it showed its code once")
-            self.shown.add(name)
             return f"vault {name}: code {codes[name]}"
 
         memory_tools = [t for t in self.memory.tools() if t.name in MEMORY_TOOLS]
@@ -223,9 +222,7 @@ def _chooses(vaults: Sequence[str], vault: str, what: str, probability: float) -
     """The careless expert's fixed choice to do ``what`` for ``vault`` in this task."""
     if probability >= 1.0:
         return True
-    digest = hashlib.blake2b(f"{what}/{','.join(vaults)}/{vault}".encode(),
-                             digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2 ** 64 < probability
+    return derive_seed(what, ",".join(vaults), vault) / 2 ** 63 < probability
 
 
 def expert_action(context: str, save_probability: float = 1.0,
