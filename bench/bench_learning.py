@@ -17,7 +17,7 @@ their reading: ``bench/results/learning.md``.
 Usage (from the repository root; about 5 s per step and variant on 2 CPU cores)::
 
     python bench/bench_learning.py [--steps 60] [--eval-every 20] [--eval-tasks 100]
-        [--demos N] [--warmstart-steps N] [--pass-k 8] [--threads N] [--seed 0]
+        [--demos N] [--warmstart-steps N] [--pass-k 8] [--threads N] [--seed 0]  (--steps 0: SFT only)
         [--variant "train.policy_lr=3e-4"] [--variant ""] [--out bench/results/learning.jsonl]
 """
 
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
           f"{head['seconds']:.0f} s): eval success {warm['success']:.3f}, reward "
           f"{warm['reward']:.3f}; " + ", ".join(f"{k} {v:.2f}" for k, v in explore.items()),
           flush=True)
-    for variant in args.variant or [""]:
+    for variant in (args.variant or [""]) if args.steps else []:  # --steps 0: warm-start only
         config = apply_overrides(base, [v for v in variant.split(",") if v])
         trainer = Trainer(copy.deepcopy(policy), chat, environment,
                           dataclasses.replace(config.train, steps=args.steps),
