@@ -7,7 +7,10 @@ checkpoint's success on the held-out split), ``bench`` (the benchmark scripts).
     agentrl-fast eval --run-dir runs/default
     agentrl-fast bench rollout --tiny
 
-Also ``python -m agentrl_fast.cli ...`` (what ``torchrun`` launches).
+Also ``python -m agentrl_fast.cli ...``, which is what ``torchrun`` launches on N ranks:
+
+    torchrun --nproc-per-node 2 -m agentrl_fast.cli train --run-dir runs/two
+    torchrun --nproc-per-node 2 -m agentrl_fast.cli train --run-dir runs/two --resume
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ def _cmd_train(args) -> int:
     from agentrl_fast.train.run import train_run
     config = _train_config(args)
     validate(config)
+    if args.resume:
+        from agentrl_fast.train.checkpoint import latest_checkpoint
+        directory = Path(config.run_dir) / "checkpoints"
+        if latest_checkpoint(directory, log=lambda message: None) is None:
+            print(f"agentrl-fast train --resume: no complete checkpoint in {directory}",
+                  file=sys.stderr)
+            return 2
     train_run(config, progress=not args.no_progress)
     return 0
 
@@ -106,6 +116,10 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", metavar="FIELD=VALUE",
                        help="override any field, e.g. train.rollout.context_budget=256")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the run folder's last complete checkpoint (an error "
+                            "when it has none; without the flag a run folder with checkpoints "
+                            "resumes too)")
     train.set_defaults(run=_cmd_train)
     evaluate = commands.add_parser("eval", help="success and mean reward on the held-out split")
     evaluate.add_argument("--run-dir", default="runs/default")

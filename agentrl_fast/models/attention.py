@@ -324,6 +324,23 @@ def _consumes_cu_seqlens(name) -> bool:
     return AttentionMaskInterface._global_mapping.get(name) is packed_attention_mask
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a ``DistributedDataParallel`` wrapper (else ``model``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is an FSDP2 module or a ``DistributedDataParallel`` wrapper: its forward
+    is a collective (or its parameters are shards), so callers run the model itself, never parts
+    of it or its weights directly."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, (FSDPModule, DistributedDataParallel))
+
+
 def packed_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
                    cu_seqlens: torch.Tensor, max_seqlen: int, *, validate: bool = True, **kwargs):
     """Run ``model`` on one packed row; returns what ``model(...)`` returns.
@@ -342,7 +359,7 @@ def packed_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Te
             host sync on the GPU); the layers then skip it. False skips it entirely.
         **kwargs: passed on to ``model`` (``use_cache`` defaults to False).
     """
-    name = getattr(model.config, "_attn_implementation", None)
+    name = getattr(unwrap(model).config, "_attn_implementation", None)
     if not _consumes_cu_seqlens(name):
         raise ValueError(f"packed_forward needs the model to use packed attention, but it uses {name!r} "
                          "(which would ignore cu_seqlens and build an [L, L] mask); call "

@@ -21,7 +21,7 @@ import copy
 
 import torch
 
-from agentrl_fast.models.attention import packed_forward, use_packed_attention
+from agentrl_fast.models.attention import is_sharded, packed_forward, unwrap, use_packed_attention
 from agentrl_fast.ops import linear_token_logprobs, token_logprobs
 
 IGNORE_INDEX = -100
@@ -64,12 +64,15 @@ def policy_logprobs(policy: torch.nn.Module, input_ids: torch.Tensor, position_i
     last hidden states ``[T, H]`` with ``return_hidden``, for a shared value head) of each token
     under ``policy`` (an HF causal LM on packed attention) at ``temperature``; 0 at each
     sequence's first token. ``input_ids``/``position_ids`` ``[1, T]``."""
-    head = policy.get_output_embeddings()
-    backbone = getattr(policy, getattr(policy, "base_model_prefix", "model"), None)
+    module = unwrap(policy)
+    head = module.get_output_embeddings()
+    backbone = getattr(module, getattr(module, "base_model_prefix", "model"), None)
     labels = next_token_labels(input_ids[0], cu_seqlens)
-    plain_head = (backbone is not None and isinstance(head, torch.nn.Linear)
-                  and getattr(policy.config, "logit_scale", None) is None
-                  and getattr(policy.config, "final_logit_softcapping", None) is None)
+    # A sharded or wrapped model runs whole (its forward gathers the shards / syncs gradients).
+    plain_head = (not is_sharded(policy) and backbone is not None
+                  and isinstance(head, torch.nn.Linear)
+                  and getattr(module.config, "logit_scale", None) is None
+                  and getattr(module.config, "final_logit_softcapping", None) is None)
     hidden = None
     if plain_head:
         hidden = packed_forward(backbone, input_ids, position_ids, cu_seqlens, max_seqlen,
@@ -82,8 +85,9 @@ def policy_logprobs(policy: torch.nn.Module, input_ids: torch.Tensor, position_i
                                  return_entropy=return_entropy)
     else:
         if return_hidden:
-            raise ValueError("return_hidden needs a linear LM head without logit scaling or "
-                             "softcapping (a shared value head reads the backbone's hidden states)")
+            raise ValueError("return_hidden needs an unsharded policy with a linear LM head "
+                             "without logit scaling or softcapping (a shared value head reads the "
+                             "backbone's hidden states)")
         logits = packed_forward(policy, input_ids, position_ids, cu_seqlens, max_seqlen,
                                 validate=False).logits[0]
         out = token_logprobs(logits, labels, temperature=temperature,

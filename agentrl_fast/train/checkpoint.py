@@ -14,6 +14,9 @@ Layout on disk (one directory per checkpoint, named by the zero-padded step)::
         memory.bin         kind "bytes": a bytes value written raw (a MemoryStore snapshot)
         progress.json      kind "json": plain data (dict with str keys, list, str, int, finite
                            float, bool, None) that survives a JSON round trip unchanged
+        dcp/               kind "dcp" (a torchrun job's, :func:`save_distributed_checkpoint`):
+                           models and optimizers written by every rank with
+                           torch.distributed.checkpoint; each file's size and sha256 listed
       step-000000060/ ...
       .tmp-step-000000080-4242/    a save in progress (or killed) in process 4242; never read
 
@@ -66,13 +69,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "export_pretrained", "rng_state", "set_rng_state", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["CheckpointError", "save_checkpoint", "save_distributed_checkpoint",
+           "load_checkpoint", "latest_checkpoint", "export_pretrained", "rng_state",
+           "set_rng_state", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "agentrl_fast.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added the "dcp" entry kind; version 1 checkpoints read unchanged
+_READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-_EXTENSIONS = {"torch": ".pt", "bytes": ".bin", "json": ".json"}
+_EXTENSIONS = {"torch": ".pt", "bytes": ".bin", "json": ".json", "dcp": ""}
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _TMP_PID = re.compile(r"-(\d+)$")
@@ -367,49 +372,135 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: Mapping[str,
     """
     directory = _as_path("directory", directory)
     step = _check_step(step)
+    _check_keep(keep)
+    plan = _plan(state)
+    final, tmp = _start(directory, step)
+    try:
+        _publish(tmp, final, step, _write_entries(tmp, plan))
+    except BaseException:
+        _remove(tmp)
+        raise
+    finally:
+        _done_tmp_dir(tmp)
+    _prune(directory, final, keep)
+    return final
+
+
+def save_distributed_checkpoint(directory: str | os.PathLike, step: int, world,
+                                sharded: Mapping[str, Any], state: Mapping[str, Any], *,
+                                keep: int | None = 3) -> Path:
+    """:func:`save_checkpoint` for a ``torchrun`` job; call it on every rank.
+
+    ``sharded`` (state dicts whose tensors may be DTensor shards: models and optimizers) is
+    written by all ranks with ``torch.distributed.checkpoint`` into the entry ``dcp/`` (kind
+    ``"dcp"``: a folder, every file's size and sha256 in the manifest); ``state`` is rank 0's
+    plain entries, as in :func:`save_checkpoint`. Rank 0 installs the directory once every rank's
+    files are written, with the same guarantees (atomic name, verified at load). A checkpoint
+    written by N ranks loads on M ranks or in one process (``torch.distributed.checkpoint``
+    reshards). ``world``: a :class:`~agentrl_fast.train.distributed.World`.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    step = _check_step(step)
+    tmp = final = error = None
+    if world.is_main:
+        try:
+            directory = _as_path("directory", directory)
+            _check_keep(keep)
+            plan = _plan(state)
+            if "dcp" in state:
+                raise ValueError("state key 'dcp' is the sharded entry's name")
+            final, tmp = _start(directory, step)
+        except Exception as failure:  # every rank raises, none waits
+            error = failure
+    world.check(error, "starting the checkpoint")
+    tmp = Path(world.broadcast(str(tmp)))
+    dcp.save(dict(sharded), checkpoint_id=str(tmp / "dcp"))
+    world.barrier()  # every rank's files are complete
+    if world.is_main:
+        try:
+            entries = _write_entries(tmp, plan)
+            entries["dcp"] = _folder_entry(tmp / "dcp")
+            _publish(tmp, final, step, entries)
+        except Exception as failure:
+            error = failure
+            _remove(tmp)
+        finally:
+            _done_tmp_dir(tmp)
+        if error is None:
+            _prune(directory, final, keep)
+    world.check(error, "writing the checkpoint")
+    return Path(world.broadcast(str(final)))
+
+
+def _check_keep(keep) -> None:
     if keep is not None:
         if isinstance(keep, bool) or not isinstance(keep, int):
             raise TypeError(f"keep must be an int or None, got {type(keep).__name__}")
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (this checkpoint is always kept) or None to "
                              f"keep all, got {keep}")
-    plan = _plan(state)
+
+
+def _start(directory: Path, step: int) -> tuple[Path, Path]:
+    """``(final, tmp)``: the checkpoint's name and its new temporary directory."""
     directory.mkdir(parents=True, exist_ok=True)
     if not directory.is_dir():
         raise ValueError(f"directory {directory} is not a directory")
     final = directory / _step_name(step)
-    tmp = _new_tmp_dir(directory, final.name)
-    try:
-        entries = {}
-        for name, kind, value in plan:
-            file = name + _EXTENSIONS[kind]
-            path = tmp / file
-            if kind == "torch":
-                torch.save(value, path)
-            elif kind == "bytes":
-                path.write_bytes(value)
-            else:
-                path.write_bytes(json.dumps(value, ensure_ascii=False, allow_nan=False,
-                                            indent=1).encode("utf-8"))
-            size, sha256 = _fsync_and_hash(path)
-            entries[name] = {"file": file, "kind": kind, "size": size, "sha256": sha256}
-        body = {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "entries": entries}
-        manifest = dict(body, manifest_sha256=_manifest_digest(body))
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-        _fsync_and_hash(tmp / MANIFEST)
-        _fsync_dir(tmp)
-        _install(tmp, final)
-    except BaseException:
-        _remove(tmp)
-        raise
-    finally:
-        _done_tmp_dir(tmp)
+    return final, _new_tmp_dir(directory, final.name)
+
+
+def _write_entries(tmp: Path, plan) -> dict:
+    entries = {}
+    for name, kind, value in plan:
+        file = name + _EXTENSIONS[kind]
+        path = tmp / file
+        if kind == "torch":
+            torch.save(value, path)
+        elif kind == "bytes":
+            path.write_bytes(value)
+        else:
+            path.write_bytes(json.dumps(value, ensure_ascii=False, allow_nan=False,
+                                        indent=1).encode("utf-8"))
+        size, sha256 = _fsync_and_hash(path)
+        entries[name] = {"file": file, "kind": kind, "size": size, "sha256": sha256}
+    return entries
+
+
+def _folder_entry(folder: Path) -> dict:
+    """A ``"dcp"`` entry: every file under ``folder`` (fsynced) with its size and sha256; the
+    entry's own size and sha256 are the total and the digest of that listing."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        size, sha256 = _fsync_and_hash(path)
+        files[path.relative_to(folder).as_posix()] = {"size": size, "sha256": sha256}
+    for sub in sorted({folder, *(p for p in folder.rglob("*") if p.is_dir())}):
+        _fsync_dir(sub)
+    return {"file": folder.name, "kind": "dcp", "size": sum(f["size"] for f in files.values()),
+            "sha256": _listing_digest(files), "files": files}
+
+
+def _listing_digest(files: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _publish(tmp: Path, final: Path, step: int, entries: dict) -> None:
+    """Write the manifest (last), fsync and install ``tmp`` as ``final``."""
+    body = {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "entries": entries}
+    manifest = dict(body, manifest_sha256=_manifest_digest(body))
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    _fsync_and_hash(tmp / MANIFEST)
+    _fsync_dir(tmp)
+    _install(tmp, final)
+
+
+def _prune(directory: Path, final: Path, keep: int | None) -> None:
     if keep is not None:
         older = [path for s, path in _step_dirs(directory) if path != final]
         for path in older[keep - 1:]:
             _remove_atomically(path)
     _clean_stale_tmp(directory)
-    return final
 
 
 def _read_manifest(path: Path) -> dict:
@@ -429,9 +520,10 @@ def _read_manifest(path: Path) -> dict:
         raise CheckpointError(path, f"{MANIFEST} is not a checkpoint manifest (expected "
                                     f"format {FORMAT!r})")
     version = manifest.get("version")
-    if version != FORMAT_VERSION:
+    if version not in _READABLE_VERSIONS:
         raise CheckpointError(path, f"{MANIFEST} has unknown format version {version!r}; this "
-                                    f"agentrl_fast reads version {FORMAT_VERSION}")
+                                    f"agentrl_fast reads versions "
+                                    f"{', '.join(map(str, _READABLE_VERSIONS))}")
     recorded = manifest.pop("manifest_sha256", None)
     if recorded != _manifest_digest(manifest):
         raise CheckpointError(path, f"{MANIFEST}: checksum mismatch (file damaged or edited)")
@@ -445,7 +537,8 @@ def _read_manifest(path: Path) -> dict:
               and entry.get("kind") in _EXTENSIONS
               and entry.get("file") == name + _EXTENSIONS[entry.get("kind")]
               and type(entry.get("size")) is int and entry["size"] >= 0
-              and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"]))
+              and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"])
+              and (entry.get("kind") != "dcp" or _well_formed_listing(entry.get("files"))))
         if not ok:
             raise CheckpointError(path, f"{MANIFEST} has a malformed entry {name!r}: {entry!r}")
     match = _STEP_DIR.match(path.name)
@@ -455,12 +548,45 @@ def _read_manifest(path: Path) -> dict:
     return manifest
 
 
+def _well_formed_listing(files) -> bool:
+    return isinstance(files, dict) and all(
+        isinstance(name, str) and name and not name.startswith("/") and ".." not in name.split("/")
+        and isinstance(f, dict) and type(f.get("size")) is int and f["size"] >= 0
+        and isinstance(f.get("sha256"), str) and _SHA256.match(f["sha256"])
+        for name, f in files.items())
+
+
+def _files_to_check(entries: Mapping[str, Any]) -> list[tuple[str, dict]]:
+    """``(path relative to the checkpoint, {size, sha256})`` of every file the entries list (a
+    "dcp" entry: each file of its folder)."""
+    out = []
+    for entry in entries.values():
+        if entry["kind"] == "dcp":
+            out += [(f"{entry['file']}/{name}", f) for name, f in entry["files"].items()]
+        else:
+            out.append((entry["file"], entry))
+    return out
+
+
 def _verify(path: Path) -> dict:
     """The manifest, after checking it and every file's size and sha256."""
     manifest = _read_manifest(path)
     entries = manifest["entries"]
-    for entry in entries.values():  # cheap checks first: existence and size
-        file = entry["file"]
+    for name, entry in entries.items():
+        if entry["kind"] == "dcp" and (_listing_digest(entry["files"]) != entry["sha256"] or sum(
+                f["size"] for f in entry["files"].values()) != entry["size"]):
+            raise CheckpointError(path, f"{entry['file']}/: the listing does not match its "
+                                        f"checksum or total size in {MANIFEST}")
+        if entry["kind"] == "dcp" and (path / entry["file"]).is_dir():
+            unlisted = sorted(p.relative_to(path / entry["file"]).as_posix()
+                              for p in (path / entry["file"]).rglob("*")
+                              if p.is_file() and p.relative_to(path / entry["file"]).as_posix()
+                              not in entry["files"])
+            if unlisted:
+                raise CheckpointError(path, f"{entry['file']}/{unlisted[0]}: not listed in "
+                                            f"{MANIFEST}")
+    checked = _files_to_check(entries)
+    for file, entry in checked:  # cheap checks first: existence and size
         try:
             size = os.stat(path / file).st_size
         except FileNotFoundError:
@@ -471,8 +597,7 @@ def _verify(path: Path) -> dict:
             raise CheckpointError(path, f"{file}: size mismatch: {size} bytes on disk, "
                                         f"{MANIFEST} says {entry['size']} (file truncated, "
                                         f"damaged or partially written)")
-    for entry in entries.values():
-        file = entry["file"]
+    for file, entry in checked:
         try:
             sha256 = _sha256_file(path / file)
         except OSError as error:
@@ -500,7 +625,9 @@ def load_checkpoint(path: str | os.PathLike, *, map_location="cpu") -> tuple[int
     for name, entry in manifest["entries"].items():
         file = path / entry["file"]
         try:
-            if entry["kind"] == "torch":
+            if entry["kind"] == "dcp":  # the folder, for torch.distributed.checkpoint.load
+                state[name] = file
+            elif entry["kind"] == "torch":
                 state[name] = torch.load(file, map_location=map_location, weights_only=True)
             elif entry["kind"] == "bytes":
                 state[name] = file.read_bytes()

@@ -12,6 +12,7 @@ lengths; nothing reads the clock except the throughput metrics.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -29,12 +30,14 @@ from agentrl_fast.harness.generation import TorchGenerator
 from agentrl_fast.harness.memory import MemoryStore
 from agentrl_fast.harness.rollout import RolloutConfig, RolloutEngine, derive_seed, rollout_metrics
 from agentrl_fast.harness.trajectory import SubTrace, Trajectory
-from agentrl_fast.models.attention import use_packed_attention
+from agentrl_fast.models.attention import unwrap, use_packed_attention
 from agentrl_fast.models.critic import ValueHead, critic_values, make_critic, policy_logprobs
 from agentrl_fast.ops import loss_weights, ppo_loss, value_loss
 from agentrl_fast.train.advantages import gae_advantages, grpo_advantages, whiten_per_sub_trace
 from agentrl_fast.train.checkpoint import (export_pretrained, latest_checkpoint, rng_state,
-                                           save_checkpoint, set_rng_state)
+                                           save_checkpoint, save_distributed_checkpoint,
+                                           set_rng_state)
+from agentrl_fast.train.distributed import DistributedConfig, World, full_state_dict
 from agentrl_fast.train.packing import PackedBatch, micro_batches, pack_sub_traces, rollout_index_map
 
 ALGORITHMS = ("ppo", "grpo")
@@ -86,6 +89,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int | None = 3
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # under torchrun
 
     def __post_init__(self):
         if self.algo not in ALGORITHMS:
@@ -138,6 +142,11 @@ class TrainConfig:
         return "rollout-mean" if self.algo == "grpo" else "token-mean"
 
 
+def _total_norm(norm) -> float:
+    """``clip_grad_norm_``'s result as a float (a DTensor under FSDP2)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
 def _lr_lambda(config: TrainConfig):
     def factor(step: int) -> float:
         if config.warmup_steps and step < config.warmup_steps:
@@ -160,17 +169,31 @@ class Trainer:
     backbone, trained with the policy in one backward (``pg + value_coef * value loss``).
     ``reference``: default a frozen copy of the policy at the start, when ``kl_coef > 0``.
     The policy samples rollouts through :class:`TorchGenerator` and trains on packed batches.
+
+    ``world``: this rank of a ``torchrun`` job (:func:`~agentrl_fast.train.distributed.
+    init_world`); the models are then made data-parallel (``config.distributed``) and each step
+    is shared by the ranks as :mod:`agentrl_fast.train.distributed` describes. The models given
+    must be the same on every rank (rank 0's are broadcast to be sure).
     """
 
     def __init__(self, policy: torch.nn.Module, chat_format: ChatFormat,
                  environment: Environment, config: TrainConfig,
                  critic: torch.nn.Module | None = None, reference: torch.nn.Module | None = None,
-                 memory: MemoryStore | None = None, log=print):
+                 memory: MemoryStore | None = None, log=print, world: World | None = None):
         self.config, self.chat_format, self.environment, self.log = config, chat_format, environment, log
+        self.world = world
         self.policy = use_packed_attention(policy)  # training forwards are packed
         torch.manual_seed(config.seed)
         use_ppo = config.algo == "ppo"
         shared = use_ppo and config.critic == "shared"
+        if world is not None:
+            if shared:
+                raise ValueError("critic='shared' runs on one process only; use critic='separate' "
+                                 "under torchrun")
+            if config.rollout.memory_scope != "rollout":
+                raise ValueError(f"rollout.memory_scope={config.rollout.memory_scope!r} keeps memory "
+                                 "across rollouts in one process; under torchrun each rank has its "
+                                 "own, so use memory_scope='rollout'")
         self.value_head = None
         if shared:
             parameter = next(policy.parameters())
@@ -186,12 +209,27 @@ class Trainer:
             self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
         if self.reference is not None:
             use_packed_attention(self.reference).eval().requires_grad_(False)
+        # Rollouts run on a whole, unsharded policy: the policy itself, or under FSDP a copy
+        # refreshed from the shards after each update (generation never waits on other ranks).
+        self.rollout_policy = policy
+        if world is not None:
+            for model in (policy, self.critic, self.reference):
+                if model is not None:
+                    world.broadcast_parameters(model)
+            if config.distributed.strategy == "fsdp":
+                self.rollout_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.policy = world.wrap(policy, trainable=True)
+            if self.critic is not None:
+                self.critic = world.wrap(self.critic, trainable=True)
+            if self.reference is not None:
+                self.reference = world.wrap(self.reference, trainable=False)
         self.memory = memory if memory is not None else MemoryStore()
         pad_id = chat_format.tokenizer.pad_token_id
-        self.engine = RolloutEngine(TorchGenerator(policy, pad_id=0 if pad_id is None else pad_id),
+        self.engine = RolloutEngine(TorchGenerator(self.rollout_policy,
+                                                   pad_id=0 if pad_id is None else pad_id),
                                     chat_format, environment, config.rollout, memory=self.memory)
         self.temperature = config.rollout.sampling.temperature or 1.0
-        groups = [{"params": list(policy.parameters()), "lr": config.policy_lr}]
+        groups = [{"params": list(self.policy.parameters()), "lr": config.policy_lr}]
         if self.value_head is not None:
             groups.append({"params": list(self.value_head.parameters()), "lr": config.critic_lr})
         self.policy_optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay)
@@ -236,16 +274,49 @@ class Trainer:
         return [[indices[j] for j in group]
                 for group in micro_batches(lengths, self.config.micro_batch_tokens)]
 
+    def _share(self, sub_traces: Sequence[SubTrace], indices: Sequence[int]) -> list[int]:
+        """This rank's part of ``indices`` (all of them in one process), split by tokens."""
+        if self.world is None:
+            return list(indices)
+        return self.world.share(indices, [len(sub_traces[i]) for i in indices])
+
+    def _local_plan(self, sub_traces, indices) -> list[list[int] | None]:
+        """Micro-batches of this rank's share of ``indices``; on several ranks padded with
+        ``None`` (an empty micro-batch) to the same count on every rank, since each forward of
+        a sharded model, and the last backward of a step, is a collective."""
+        plan: list[list[int] | None] = self._plan(sub_traces, self._share(sub_traces, indices))
+        if self.world is not None:
+            plan += [None] * (int(self.world.maximum([max(len(plan), 1)])[0]) - len(plan))
+        return plan
+
+    @staticmethod
+    def _empty_batch() -> tuple:
+        """``(input_ids, position_ids, cu_seqlens, max_seqlen)`` of one 1-token sequence: the
+        forward a rank with no work runs to take part in the collectives."""
+        return (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                torch.tensor([0, 1], dtype=torch.int32), 1)
+
     @torch.no_grad()
     def _score(self, sub_traces: Sequence[SubTrace], rollout_index):
-        """Per sub-trace: old log-probs, reference log-probs, values, last values."""
+        """Per sub-trace: old log-probs, reference log-probs, values, last values (on several
+        ranks each scores its share, then all of them are gathered)."""
         for model in (self.policy, self.critic, self.reference, self.value_head):
             if model is not None:
                 model.eval()  # targets without dropout noise
         n = len(sub_traces)
         old, ref, values = [None] * n, [None] * n, [None] * n
         last = torch.zeros(n)
-        for group in self._plan(sub_traces, list(range(n))):
+        scored: list[int] = []
+        for group in self._local_plan(sub_traces, list(range(n))):
+            if group is None:  # take part in the sharded models' collectives
+                inputs = self._empty_batch()
+                policy_logprobs(self.policy, *inputs, temperature=self.temperature)
+                if self.reference is not None:
+                    policy_logprobs(self.reference, *inputs, temperature=self.temperature)
+                if self.critic is not None:
+                    critic_values(self.critic, *inputs)
+                continue
+            scored += group
             batch = pack_sub_traces(sub_traces, group, rollout_index)
             inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
             if self.value_head is not None:
@@ -266,6 +337,11 @@ class Trainer:
                 v, v_last = critic_values(self.critic, *inputs)
                 for k, (i, vi) in enumerate(zip(group, batch.split(v))):
                     values[i], last[i] = vi, v_last[k]
+        if self.world is not None:
+            for part in self.world.all_gather({i: (old[i], ref[i], values[i], float(last[i]))
+                                               for i in scored}):
+                for i, (o, r, v, lv) in part.items():
+                    old[i], ref[i], values[i], last[i] = o, r, v, lv
         return old, ref, values, last
 
     # -- one step -------------------------------------------------------------------------------
@@ -274,13 +350,21 @@ class Trainer:
         config, start = self.config, time.perf_counter()
         tasks = self._next_tasks()
         self.policy.eval()
-        trajectories = self.engine.run(tasks, seed=derive_seed(config.seed, "step",
-                                                               self.step_index))
+        self.rollout_policy.eval()
+        seed = derive_seed(config.seed, "step", self.step_index)
+        if self.world is None:
+            trajectories = self.engine.run(tasks, seed=seed)
+        else:  # each rank its share of the tasks, then every rank the global batch
+            mine = self.engine.run(self.world.tasks(tasks), seed=seed)
+            trajectories = self.world.in_task_order(self.world.all_gather(mine), len(tasks),
+                                                    config.rollout.samples_per_task)
         rollout_seconds = time.perf_counter() - start
         sub_traces = [s for t in trajectories for s in t.sub_traces]
         rollout_index = rollout_index_map(sub_traces)
         old, ref, values, last = self._score(sub_traces, rollout_index)
         metrics = dict(rollout_metrics(trajectories))
+        if self.world is not None:
+            metrics.update(self._rank_tokens(sub_traces))
         metrics.update(self._mismatch(sub_traces, old))
         rewards = [torch.tensor(s.rewards) for s in sub_traces]
         if self.reference is not None:
@@ -315,9 +399,23 @@ class Trainer:
                        rollout_seconds=rollout_seconds,
                        tokens_per_second=sum(len(s) for s in sub_traces)
                        / max(time.perf_counter() - start, 1e-9))
+        self._refresh_rollout_policy()
         if config.checkpoint_every and self.step_index % config.checkpoint_every == 0:
             self.save_checkpoint()
         return metrics
+
+    def _refresh_rollout_policy(self) -> None:
+        """Under FSDP: copy the updated shards into the whole policy rollouts run on."""
+        if self.rollout_policy is not unwrap(self.policy):
+            self.rollout_policy.load_state_dict(full_state_dict(self.policy, self.world))
+
+    def _rank_tokens(self, sub_traces) -> dict[str, float]:
+        """Tokens per rank in the scoring split (the same split rule as every mini-batch)."""
+        lengths = [len(s) for s in sub_traces]
+        mine = sum(lengths[i] for i in self._share(sub_traces, range(len(sub_traces))))
+        loads = self.world.all_gather(mine)
+        return {"rank_tokens_min": float(min(loads)), "rank_tokens_max": float(max(loads)),
+                "sub_trace_tokens_max": float(max(lengths, default=0))}
 
     def _mismatch(self, sub_traces, old) -> dict[str, float]:
         """Rollout vs trainer log-probs on action tokens (measured every step)."""
@@ -387,45 +485,22 @@ class Trainer:
         weights = self._weights(sub_traces, indices, rollout_index)
         self.policy_optimizer.zero_grad(set_to_none=True)
         totals: Counter = Counter()
-        for group in self._plan(sub_traces, indices):
-            batch = pack_sub_traces(sub_traces, group, rollout_index)
-            pick = batch.gather  # per-sub-trace tensors of the global batch -> [T]
-            shared = self.value_head is not None
-            logp, entropy, *hidden = policy_logprobs(
-                self.policy, batch.input_ids, batch.position_ids, batch.cu_seqlens,
-                batch.max_seqlen, temperature=self.temperature, return_entropy=True,
-                return_hidden=shared)
-            use_ref = self.reference is not None and config.kl_mode == "loss"
-            loss, metrics = ppo_loss(
-                logp, pick(old), pick(advantages), batch.action_mask,
-                token_weights=pick(weights), clip_low=config.clip_low, clip_high=config.clip_high,
-                dual_clip=config.dual_clip, ref_logprobs=pick(ref) if use_ref else None,
-                kl_coef=self.kl_coef if use_ref else 0.0, kl_estimator=config.kl_estimator,
-                entropy=entropy, entropy_coef=config.entropy_coef,
-                rollout_logprobs=batch.rollout_logprobs if config.tis_cap else None,
-                tis_cap=config.tis_cap)
-            total = loss if train_policy else loss * 0.0
-            if shared:
-                v, _ = self.value_head(hidden[0], batch.cu_seqlens)
-                vloss, vmetrics = value_loss(v, pick(values), pick(returns), batch.action_mask,
-                                             clip=config.value_clip, token_weights=pick(weights))
-                total = total + config.value_coef * vloss
-                totals["value_loss"] += vloss.item()
-                totals["_value_clipfrac"] += float(vmetrics["vf_clipfrac"]) * batch.action_mask.sum().item()
-            total.backward()
-            share = batch.action_mask.sum().item()
-            totals["policy_loss"] += loss.item()
-            per_token = {"clipfrac": metrics["pg_clipfrac_upper"] + metrics["pg_clipfrac_lower"],
-                         "approx_kl": metrics["approx_kl"], "entropy": metrics["entropy_mean"]}
-            for key, value in per_token.items():
-                totals[f"_{key}"] += float(value) * share
-            totals["_ratio_max"] = max(totals["_ratio_max"], float(metrics["ratio_max"]))
-            totals["_action_tokens"] += share
+        plan = self._local_plan(sub_traces, indices)
+        for position, group in enumerate(plan):
+            with self._gradient_sync(self.policy, last=position == len(plan) - 1):
+                if group is None:  # an empty micro-batch: collectives only, zero gradient
+                    policy_logprobs(self.policy, *self._empty_batch(),
+                                    temperature=self.temperature).sum().mul(0.0).backward()
+                    continue
+                self._policy_micro_batch(sub_traces, group, rollout_index, old, ref, advantages,
+                                         weights, values, returns, train_policy, totals)
+        if self.world is not None:
+            totals = self._summed(totals, maxima=("_ratio_max",))
         parameters = [p for group in self.policy_optimizer.param_groups for p in group["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
+        norm = _total_norm(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
         self.policy_optimizer.step()
         tokens = max(totals.pop("_action_tokens"), 1)
-        out = Counter({"policy_loss": totals["policy_loss"], "policy_grad_norm": float(norm),
+        out = Counter({"policy_loss": totals["policy_loss"], "policy_grad_norm": norm,
                        "ratio_max": totals["_ratio_max"]})
         for key in ("clipfrac", "approx_kl", "entropy"):
             if f"_{key}" in totals:
@@ -435,29 +510,94 @@ class Trainer:
             out["value_clipfrac"] = totals["_value_clipfrac"] / tokens
         return out
 
+    def _gradient_sync(self, model, last: bool):
+        """On several ranks: gradients are reduced in the last backward of an optimizer step
+        only (FSDP2 ``set_requires_gradient_sync``, DDP ``no_sync``)."""
+        if self.world is None:
+            return contextlib.nullcontext()
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else model.no_sync()
+
+    def _summed(self, totals: Counter, maxima: Sequence[str] = ()) -> Counter:
+        """``totals`` summed over ranks (``maxima``: the maximum); the same keys on every rank."""
+        keys = sorted(set().union(*self.world.all_gather(sorted(totals))))
+        summed = self.world.sum([totals[k] if k not in maxima else 0.0 for k in keys])
+        top = self.world.maximum([totals[k] if k in maxima else 0.0 for k in keys])
+        return Counter({k: (top[j] if k in maxima else summed[j]) for j, k in enumerate(keys)})
+
+    def _policy_micro_batch(self, sub_traces, group, rollout_index, old, ref, advantages, weights,
+                            values, returns, train_policy, totals) -> None:
+        config = self.config
+        batch = pack_sub_traces(sub_traces, group, rollout_index)
+        pick = batch.gather  # per-sub-trace tensors of the global batch -> [T]
+        shared = self.value_head is not None
+        logp, entropy, *hidden = policy_logprobs(
+            self.policy, batch.input_ids, batch.position_ids, batch.cu_seqlens,
+            batch.max_seqlen, temperature=self.temperature, return_entropy=True,
+            return_hidden=shared)
+        use_ref = self.reference is not None and config.kl_mode == "loss"
+        loss, metrics = ppo_loss(
+            logp, pick(old), pick(advantages), batch.action_mask,
+            token_weights=pick(weights), clip_low=config.clip_low, clip_high=config.clip_high,
+            dual_clip=config.dual_clip, ref_logprobs=pick(ref) if use_ref else None,
+            kl_coef=self.kl_coef if use_ref else 0.0, kl_estimator=config.kl_estimator,
+            entropy=entropy, entropy_coef=config.entropy_coef,
+            rollout_logprobs=batch.rollout_logprobs if config.tis_cap else None,
+            tis_cap=config.tis_cap)
+        total = loss if train_policy else loss * 0.0
+        if self.world is not None:  # the reduction averages over ranks; the loss is a sum
+            total = total * self.world.size
+        if shared:
+            v, _ = self.value_head(hidden[0], batch.cu_seqlens)
+            vloss, vmetrics = value_loss(v, pick(values), pick(returns), batch.action_mask,
+                                         clip=config.value_clip, token_weights=pick(weights))
+            total = total + config.value_coef * vloss
+            totals["value_loss"] += vloss.item()
+            totals["_value_clipfrac"] += float(vmetrics["vf_clipfrac"]) * batch.action_mask.sum().item()
+        total.backward()
+        share = batch.action_mask.sum().item()
+        totals["policy_loss"] += loss.item()
+        per_token = {"clipfrac": metrics["pg_clipfrac_upper"] + metrics["pg_clipfrac_lower"],
+                     "approx_kl": metrics["approx_kl"], "entropy": metrics["entropy_mean"]}
+        for key, value in per_token.items():
+            totals[f"_{key}"] += float(value) * share
+        totals["_ratio_max"] = max(totals["_ratio_max"], float(metrics["ratio_max"]))
+        totals["_action_tokens"] += share
+
     def _critic_update(self, sub_traces, indices, rollout_index, values, returns):
         config = self.config
         self.critic.train()
         weights = self._weights(sub_traces, indices, rollout_index)
         self.critic_optimizer.zero_grad(set_to_none=True)
-        total, clipped, tokens = 0.0, 0.0, 0
-        for group in self._plan(sub_traces, indices):
-            batch = pack_sub_traces(sub_traces, group, rollout_index)
-            pick = batch.gather  # per-sub-trace tensors of the global batch -> [T]
-            v, _ = critic_values(self.critic, batch.input_ids, batch.position_ids,
-                                 batch.cu_seqlens, batch.max_seqlen)
-            loss, metrics = value_loss(v, pick(values), pick(returns), batch.action_mask,
-                                       clip=config.value_clip, token_weights=pick(weights))
-            loss.backward()
-            share = int(batch.action_mask.sum())
-            total += loss.item()
-            clipped += float(metrics["vf_clipfrac"]) * share
-            tokens += share
-        norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), config.max_grad_norm)
+        totals = Counter(loss=0.0, clipped=0.0, tokens=0.0)
+        plan = self._local_plan(sub_traces, indices)
+        for position, group in enumerate(plan):
+            with self._gradient_sync(self.critic, last=position == len(plan) - 1):
+                if group is None:  # an empty micro-batch: collectives only, zero gradient
+                    critic_values(self.critic, *self._empty_batch())[0].sum().mul(0.0).backward()
+                    continue
+                batch = pack_sub_traces(sub_traces, group, rollout_index)
+                pick = batch.gather  # per-sub-trace tensors of the global batch -> [T]
+                v, _ = critic_values(self.critic, batch.input_ids, batch.position_ids,
+                                     batch.cu_seqlens, batch.max_seqlen)
+                loss, metrics = value_loss(v, pick(values), pick(returns), batch.action_mask,
+                                           clip=config.value_clip, token_weights=pick(weights))
+                (loss * (self.world.size if self.world is not None else 1)).backward()
+                share = int(batch.action_mask.sum())
+                totals["loss"] += loss.item()
+                totals["clipped"] += float(metrics["vf_clipfrac"]) * share
+                totals["tokens"] += share
+        if self.world is not None:
+            totals = self._summed(totals)
+        norm = _total_norm(torch.nn.utils.clip_grad_norm_(self.critic.parameters(),
+                                                          config.max_grad_norm))
         self.critic_optimizer.step()
-        return Counter({"value_loss": total / config.critic_epochs,
-                        "value_clipfrac": clipped / max(tokens, 1) / config.critic_epochs,
-                        "critic_grad_norm": float(norm) / config.critic_epochs})
+        return Counter({"value_loss": totals["loss"] / config.critic_epochs,
+                        "value_clipfrac": totals["clipped"] / max(totals["tokens"], 1)
+                        / config.critic_epochs,
+                        "critic_grad_norm": norm / config.critic_epochs})
 
     def _control_kl(self, kl: float | None, episodes: int) -> None:
         """Adaptive KL coefficient (Ziegler et al.): move towards ``kl_target``, by the batch's
@@ -488,7 +628,66 @@ class Trainer:
             state["reference"] = self.reference.state_dict()
         return state
 
+    def _sharded_state(self) -> dict[str, Any]:
+        """Models and optimizers as ``torch.distributed.checkpoint`` state dicts (keyed by
+        parameter name; DTensor shards under FSDP) — what a torchrun job's checkpoint holds."""
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        policy = unwrap(self.policy)
+        state = {"policy": get_model_state_dict(policy),
+                 "policy_optimizer": get_optimizer_state_dict(policy, self.policy_optimizer)}
+        if self.critic is not None:
+            critic = unwrap(self.critic)
+            state.update(critic=get_model_state_dict(critic),
+                         critic_optimizer=get_optimizer_state_dict(critic, self.critic_optimizer))
+        if self.reference is not None:
+            state["reference"] = get_model_state_dict(unwrap(self.reference))
+        return state
+
+    def _plain_state(self) -> dict[str, Any]:
+        """Everything else (rank 0's): schedulers, progress, random streams."""
+        state = {"policy_scheduler": self.policy_scheduler.state_dict(),
+                 "trainer": {"step": self.step_index, "data_position": self.data_position,
+                             "kl_coef": self.kl_coef,
+                             "world_size": self.world.size if self.world is not None else 1},
+                 "rng": rng_state()}
+        if self.critic_scheduler is not None:
+            state["critic_scheduler"] = self.critic_scheduler.state_dict()
+        return state
+
+    def _load_sharded(self, folder) -> None:
+        """Models and optimizers from a torchrun job's checkpoint folder, resharded to this
+        job's ranks (or one process)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                             set_optimizer_state_dict)
+        target = self._sharded_state()  # this job's layout, filled in place by the load
+        dcp.load(target, checkpoint_id=str(folder))
+        pairs = [(self.policy, "policy", self.policy_optimizer)]
+        if self.critic is not None:
+            pairs.append((self.critic, "critic", self.critic_optimizer))
+        for model, name, optimizer in pairs:
+            set_model_state_dict(unwrap(model), target[name])
+            set_optimizer_state_dict(unwrap(model), optimizer, target[f"{name}_optimizer"])
+        if self.reference is not None:
+            set_model_state_dict(unwrap(self.reference), target["reference"])
+
     def load_state(self, state: dict[str, Any]) -> None:
+        if "dcp" in state:  # written by a torchrun job
+            self._load_sharded(state["dcp"])
+            self.policy_scheduler.load_state_dict(state["policy_scheduler"])
+            if self.critic_scheduler is not None:
+                self.critic_scheduler.load_state_dict(state["critic_scheduler"])
+            trainer = state["trainer"]
+            self.step_index, self.data_position = trainer["step"], trainer["data_position"]
+            self.kl_coef = trainer["kl_coef"]
+            set_rng_state(state["rng"])
+            self._refresh_rollout_policy()
+            return
+        if self.world is not None:
+            raise ValueError("this checkpoint was written by one process (no dcp/ folder); a "
+                             "torchrun job resumes from its own checkpoints — resume this one "
+                             "with one process")
         self.policy.load_state_dict(state["policy"])
         self.policy_optimizer.load_state_dict(state["policy_optimizer"])
         self.policy_scheduler.load_state_dict(state["policy_scheduler"])
@@ -511,6 +710,8 @@ class Trainer:
         tokenizer) and ``directory/critic`` (a token-classification model with one label), or
         ``directory/value_head.pt`` for a shared-backbone critic."""
         directory = Path(directory)
+        if self.world is not None:
+            return self._export_distributed(directory)
         export_pretrained(self.policy, directory / "policy", tokenizer=self.chat_format.tokenizer)
         if self.critic is not None:
             export_pretrained(self.critic, directory / "critic")
@@ -518,12 +719,39 @@ class Trainer:
             torch.save(self.value_head.state_dict(), directory / "value_head.pt")
         return directory
 
+    def _export_distributed(self, directory: Path) -> Path:
+        """:meth:`export` on every rank of a torchrun job; rank 0 writes."""
+        critic = None
+        if self.critic is not None:
+            whole = full_state_dict(self.critic, self.world)  # a collective under FSDP
+            if self.world.is_main:
+                from transformers import AutoModelForTokenClassification
+                critic = AutoModelForTokenClassification.from_config(unwrap(self.critic).config)
+                critic.load_state_dict(whole)
+        error = None
+        if self.world.is_main:
+            try:
+                export_pretrained(self.rollout_policy, directory / "policy",
+                                  tokenizer=self.chat_format.tokenizer)
+                if critic is not None:
+                    export_pretrained(critic, directory / "critic")
+            except Exception as failure:
+                error = failure
+        self.world.check(error, "the export")
+        return directory
+
     def save_checkpoint(self) -> Path:
+        if self.world is not None:
+            return save_distributed_checkpoint(
+                self.config.checkpoint_dir, self.step_index, self.world, self._sharded_state(),
+                self._plain_state(), keep=self.config.keep_checkpoints)
         return save_checkpoint(self.config.checkpoint_dir, self.step_index, self.state(),
                                keep=self.config.keep_checkpoints)
 
     def _resume(self) -> None:
-        found = latest_checkpoint(self.config.checkpoint_dir, log=self.log)
+        quiet = self.world is not None and not self.world.is_main
+        found = latest_checkpoint(self.config.checkpoint_dir,
+                                  log=(lambda message: None) if quiet else self.log)
         if found is None:
             return
         path, step, state = found

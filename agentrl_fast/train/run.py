@@ -5,6 +5,10 @@ on the held-out split, and leave a run folder behind:
 ``config.yaml``, ``metrics.jsonl`` (one JSON line per step, plus warm-start and eval lines),
 TensorBoard events (``tb/``), ``curves.png`` (reward and success), ``summary.txt``,
 ``checkpoints/`` (resumable), ``export/`` (``save_pretrained`` of the final models).
+
+Under ``torchrun`` every rank runs this: the warm-start on each (the same demonstrations and
+seeds; rank 0's result is broadcast), evaluation and training shared by the ranks
+(:mod:`agentrl_fast.train.distributed`), the run folder written by rank 0.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from agentrl_fast.harness import (ChatFormat, RolloutEngine, ScriptedGenerator, 
                                   VaultEnvironment, build_tokenizer, expert_action,
                                   rollout_metrics)
 from agentrl_fast.models.tiny import tiny_qwen3
+from agentrl_fast.train.distributed import World, init_world, shutdown
 from agentrl_fast.train.ppo import Trainer
 from agentrl_fast.train.sft import demonstrations, sft
 
@@ -65,17 +70,22 @@ def build(config: RunConfig):
     return environment, chat, policy
 
 
-def evaluate(policy, chat: ChatFormat, environment, config: RunConfig, *, seed: int = 0) -> dict:
+def evaluate(policy, chat: ChatFormat, environment, config: RunConfig, *, seed: int = 0,
+             world: World | None = None) -> dict:
     """Success rate and mean reward on the first ``eval.tasks`` held-out tasks (one rollout
-    each, at ``eval.temperature``, with the training rollout limits)."""
+    each, at ``eval.temperature``, with the training rollout limits); ``world``: the ranks
+    share the tasks (``policy``, whole and the same on every rank, runs locally)."""
     rollout = dataclasses.replace(
         config.train.rollout, samples_per_task=1, schedule="lockstep",
         sampling=dataclasses.replace(config.train.rollout.sampling,
                                      temperature=config.eval.temperature))
     engine = RolloutEngine(TorchGenerator(policy, pad_id=chat.tokenizer.pad_token_id or 0),
                            chat, environment, rollout)
-    trajectories = engine.run(environment.tasks("eval")[:config.eval.tasks], seed=seed)
-    return rollout_metrics(trajectories)
+    tasks = environment.tasks("eval")[:config.eval.tasks]
+    if world is None:
+        return rollout_metrics(engine.run(tasks, seed=seed))
+    mine = engine.run(world.tasks(tasks), seed=seed)
+    return rollout_metrics(world.in_task_order(world.all_gather(mine), len(tasks), 1))
 
 
 class _Outputs:
@@ -134,7 +144,18 @@ def train_run(config: RunConfig, *, progress: bool = True,
               print_fn: Callable[[str], None] = print) -> dict:
     """The whole run (see the module doc); returns the summary. Resumes when the run folder
     holds checkpoints (the warm-start is then not redone)."""
+    world = init_world(config.train.distributed)
+    try:
+        return _train_run(config, progress, print_fn, world)
+    finally:
+        shutdown()
+
+
+def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None) -> dict:
     start = time.perf_counter()
+    main = world is None or world.is_main
+    if not main:
+        print_fn, progress = (lambda *args, **kwargs: None), False
     torch.manual_seed(config.seed)
     environment, chat, policy = build(config)
     run_dir = Path(config.run_dir)
@@ -157,10 +178,14 @@ def train_run(config: RunConfig, *, progress: bool = True,
                               f"limits (max_turns={config.train.rollout.max_turns}, "
                               f"context_budget={config.train.rollout.context_budget}); "
                               "raise them")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    import yaml
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    outputs = _Outputs(run_dir)
+    if world is not None:  # every rank must be at this point before rank 0 writes the folder
+        world.barrier()
+    outputs = None
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        import yaml
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        outputs = _Outputs(run_dir)
     warm_file = run_dir / "warmstart.json"
     train = dataclasses.replace(config.train, seed=config.seed,
                                 checkpoint_dir=str(run_dir / "checkpoints"),
@@ -170,15 +195,21 @@ def train_run(config: RunConfig, *, progress: bool = True,
             sub_traces = [s for d in demos for s in d.sub_traces]
             losses = sft(policy, sub_traces, steps=config.warmstart.steps, lr=config.warmstart.lr,
                          batch_sequences=config.warmstart.batch_sequences, seed=config.seed,
-                         log=lambda m: outputs.write("warmstart", m["sft_step"], m))
+                         log=(lambda m: outputs.write("warmstart", m["sft_step"], m)) if main
+                         else None)
             print_fn(f"warm-start: {len(demos)} expert rollouts, {config.warmstart.steps} steps, "
                      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-        before = evaluate(policy, chat, environment, config, seed=config.seed)
-        outputs.write("eval", 0, before)
-        warm_file.write_text(json.dumps(before))
+        if world is not None:
+            world.broadcast_parameters(policy)
+        before = evaluate(policy, chat, environment, config, seed=config.seed, world=world)
+        if main:
+            outputs.write("eval", 0, before)
+            warm_file.write_text(json.dumps(before))
         print_fn(f"warm-start eval: success {before['success']:.3f}, reward {before['reward']:.3f}")
+    if world is not None:
+        world.barrier()  # warmstart.json is written
     before = json.loads(warm_file.read_text())
-    trainer = Trainer(policy, chat, environment, train, log=print_fn)
+    trainer = Trainer(policy, chat, environment, train, log=print_fn, world=world)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -186,7 +217,8 @@ def train_run(config: RunConfig, *, progress: bool = True,
                    dynamic_ncols=True)
 
     def on_step(metrics):
-        outputs.write("train", metrics["step"], metrics)
+        if outputs is not None:
+            outputs.write("train", metrics["step"], metrics)
         if bar is not None:
             bar.set_postfix(reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
                             kl=f"{metrics.get('approx_kl', 0.0):.1e}",
@@ -197,17 +229,24 @@ def train_run(config: RunConfig, *, progress: bool = True,
     trainer.train(callback=on_step)
     if bar is not None:
         bar.close()
-    if not (run_dir / "checkpoints" / f"step-{trainer.step_index:09d}").exists():
+    final_exists = (run_dir / "checkpoints" / f"step-{trainer.step_index:09d}").exists()
+    if world is not None:
+        final_exists = world.broadcast(final_exists)  # the same decision on every rank
+    if not final_exists:
         trainer.save_checkpoint()  # the final state, whatever checkpoint_every is
-    after = evaluate(policy, chat, environment, config, seed=config.seed)
-    outputs.write("eval", trainer.step_index, after)
-    outputs.close()
-    plot_curves(run_dir)
+    after = evaluate(trainer.rollout_policy, chat, environment, config, seed=config.seed,
+                     world=world)
     trainer.export(run_dir / "export")
     summary = {"algo": train.algo, "steps": trainer.step_index, "seed": config.seed,
                "eval_tasks": config.eval.tasks, "warmstart_success": before["success"],
                "warmstart_reward": before["reward"], "final_success": after["success"],
-               "final_reward": after["reward"], "seconds": time.perf_counter() - start}
+               "final_reward": after["reward"], "seconds": time.perf_counter() - start,
+               "ranks": world.size if world is not None else 1}
+    if not main:
+        return summary
+    outputs.write("eval", trainer.step_index, after)
+    outputs.close()
+    plot_curves(run_dir)
     (run_dir / "summary.txt").write_text(
         "".join(f"{key}: {value}\n" for key, value in summary.items()))
     print_fn(f"run folder: {run_dir} (metrics.jsonl, tb/, curves.png, summary.txt, checkpoints/, "
