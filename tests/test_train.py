@@ -209,7 +209,6 @@ def test_config_errors():
     for overrides, fragment in [({"algo": "dpo"}, "algo must be one of ppo, grpo"),
                                 ({"micro_batch_tokens": 100}, "micro_batch_tokens (100) must be"),
                                 ({"gamma": 1.5}, "gamma must be in [0, 1]"),
-                                ({"checkpoint_every": 2}, "checkpoint_every needs checkpoint_dir"),
                                 ({"epochs": 0}, "epochs must be an int >= 1"),
                                 ({"algo": "grpo", "kl_mode": "reward"},
                                  "kl_mode='reward' needs algo='ppo'"),
@@ -301,6 +300,11 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
         b = torch.load(f"{resumed}.{part}.pt")
         assert all(torch.equal(a[k], b[k]) for k in a), part
     del killed
+
+
+def test_checkpoint_every_needs_a_checkpoint_dir(chat):
+    with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_dir"):
+        Trainer(policy_for(chat), chat, ParityVaultEnvironment(), train_config(checkpoint_every=2))
 
 
 def test_damaged_latest_checkpoint_is_skipped_with_a_message(tmp_path, chat):

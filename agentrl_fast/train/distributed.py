@@ -61,15 +61,15 @@ class DistributedConfig:
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"distributed.strategy must be one of {', '.join(STRATEGIES)}, "
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, "
                              f"got {self.strategy!r}")
         if self.mixed_precision not in MIXED_PRECISIONS:
-            raise ValueError(f"distributed.mixed_precision must be one of "
+            raise ValueError(f"mixed_precision must be one of "
                              f"{', '.join(MIXED_PRECISIONS)}, got {self.mixed_precision!r}")
         if self.mixed_precision != "none" and self.strategy != "fsdp":
-            raise ValueError("distributed.mixed_precision needs distributed.strategy='fsdp'")
+            raise ValueError("mixed_precision needs strategy='fsdp'")
         if not self.timeout_seconds > 0:
-            raise ValueError(f"distributed.timeout_seconds must be > 0, "
+            raise ValueError(f"timeout_seconds must be > 0, "
                              f"got {self.timeout_seconds!r}")
 
 
@@ -231,6 +231,9 @@ def init_world(config: DistributedConfig) -> World | None:
 
 
 def shutdown() -> None:
+    """Leave the process group: a barrier first, so no rank tears down its connections while
+    another still uses them (gloo aborts the process then)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 

@@ -122,8 +122,6 @@ class TrainConfig:
             raise ValueError(f"micro_batch_tokens ({self.micro_batch_tokens}) must be at least "
                              f"rollout.context_budget ({self.rollout.context_budget}): a "
                              "sub-trace is never split")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise ValueError("checkpoint_every needs checkpoint_dir")
         if self.loss_aggregation == "seq-mean-token-sum-norm" and not self.loss_norm_constant:
             raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs loss_norm_constant "
                              "(Dr. GRPO's constant length, e.g. the max new tokens)")
@@ -181,7 +179,12 @@ class Trainer:
                  critic: torch.nn.Module | None = None, reference: torch.nn.Module | None = None,
                  memory: MemoryStore | None = None, log=print, world: World | None = None):
         self.config, self.chat_format, self.environment, self.log = config, chat_format, environment, log
+        if config.checkpoint_every and not config.checkpoint_dir:
+            # Checked here, not in TrainConfig: a run config leaves the folder to the run.
+            raise ValueError("checkpoint_every needs checkpoint_dir")
         self.world = world
+        if world is not None:
+            policy.to(world.device)  # this rank's GPU (NCCL), or the CPU (gloo)
         self.policy = use_packed_attention(policy)  # training forwards are packed
         torch.manual_seed(config.seed)
         use_ppo = config.algo == "ppo"
@@ -223,6 +226,7 @@ class Trainer:
                 self.critic = world.wrap(self.critic, trainable=True)
             if self.reference is not None:
                 self.reference = world.wrap(self.reference, trainable=False)
+        self.device = next(unwrap(self.policy).parameters()).device
         self.memory = memory if memory is not None else MemoryStore()
         pad_id = chat_format.tokenizer.pad_token_id
         self.engine = RolloutEngine(TorchGenerator(self.rollout_policy,
@@ -289,12 +293,19 @@ class Trainer:
             plan += [None] * (int(self.world.maximum([max(len(plan), 1)])[0]) - len(plan))
         return plan
 
-    @staticmethod
-    def _empty_batch() -> tuple:
-        """``(input_ids, position_ids, cu_seqlens, max_seqlen)`` of one 1-token sequence: the
-        forward a rank with no work runs to take part in the collectives."""
-        return (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
-                torch.tensor([0, 1], dtype=torch.int32), 1)
+    def _on_device(self, sub_traces, group, rollout_index):
+        """A micro-batch on the models' device, and ``pick``: per-sub-trace tensors of the
+        global batch (on the CPU) -> ``[T]`` on that device."""
+        batch = pack_sub_traces(sub_traces, group, rollout_index).to(self.device)
+        return batch, lambda per_sequence: batch.gather(per_sequence).to(self.device)
+
+    def _empty_batch(self) -> tuple:
+        """``(input_ids, position_ids, cu_seqlens, max_seqlen)`` of one 2-token sequence (its
+        second token's outputs depend on every parameter): the forward, and the backward of
+        zero times it, a rank with no work runs to take part in the collectives."""
+        return (torch.zeros(1, 2, dtype=torch.long, device=self.device),
+                torch.arange(2, device=self.device).unsqueeze(0),
+                torch.tensor([0, 2], dtype=torch.int32, device=self.device), 2)
 
     @torch.no_grad()
     def _score(self, sub_traces: Sequence[SubTrace], rollout_index):
@@ -317,24 +328,25 @@ class Trainer:
                     critic_values(self.critic, *inputs)
                 continue
             scored += group
-            batch = pack_sub_traces(sub_traces, group, rollout_index)
+            batch = pack_sub_traces(sub_traces, group, rollout_index).to(self.device)
             inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+            # Results are kept on the CPU (advantages are computed there, ranks gather them).
             if self.value_head is not None:
                 logp, hidden = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
                                                return_hidden=True)
-                v, v_last = self.value_head(hidden, batch.cu_seqlens)
+                v, v_last = (x.cpu() for x in self.value_head(hidden, batch.cu_seqlens))
                 for k, (i, vi) in enumerate(zip(group, batch.split(v))):
                     values[i], last[i] = vi, v_last[k]
             else:
                 logp = policy_logprobs(self.policy, *inputs, temperature=self.temperature)
-            for i, lp in zip(group, batch.split(logp)):
+            for i, lp in zip(group, batch.split(logp.cpu())):
                 old[i] = lp
             if self.reference is not None:
                 for i, lp in zip(group, batch.split(policy_logprobs(
-                        self.reference, *inputs, temperature=self.temperature))):
+                        self.reference, *inputs, temperature=self.temperature).cpu())):
                     ref[i] = lp
             if self.critic is not None:
-                v, v_last = critic_values(self.critic, *inputs)
+                v, v_last = (x.cpu() for x in critic_values(self.critic, *inputs))
                 for k, (i, vi) in enumerate(zip(group, batch.split(v))):
                     values[i], last[i] = vi, v_last[k]
         if self.world is not None:
@@ -530,8 +542,7 @@ class Trainer:
     def _policy_micro_batch(self, sub_traces, group, rollout_index, old, ref, advantages, weights,
                             values, returns, train_policy, totals) -> None:
         config = self.config
-        batch = pack_sub_traces(sub_traces, group, rollout_index)
-        pick = batch.gather  # per-sub-trace tensors of the global batch -> [T]
+        batch, pick = self._on_device(sub_traces, group, rollout_index)
         shared = self.value_head is not None
         logp, entropy, *hidden = policy_logprobs(
             self.policy, batch.input_ids, batch.position_ids, batch.cu_seqlens,
@@ -578,8 +589,7 @@ class Trainer:
                 if group is None:  # an empty micro-batch: collectives only, zero gradient
                     critic_values(self.critic, *self._empty_batch())[0].sum().mul(0.0).backward()
                     continue
-                batch = pack_sub_traces(sub_traces, group, rollout_index)
-                pick = batch.gather  # per-sub-trace tensors of the global batch -> [T]
+                batch, pick = self._on_device(sub_traces, group, rollout_index)
                 v, _ = critic_values(self.critic, batch.input_ids, batch.position_ids,
                                      batch.cu_seqlens, batch.max_seqlen)
                 loss, metrics = value_loss(v, pick(values), pick(returns), batch.action_mask,

@@ -116,6 +116,19 @@ class _Outputs:
             self.writer.close()
 
 
+def _forget_steps_after(path: Path, step: int) -> None:
+    """Drop the metrics rows of steps after ``step`` (the checkpoint a run resumed from): a
+    killed run may have logged steps it had not checkpointed, and they are run again."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if json.loads(line)["kind"] == "warmstart"
+            or json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        with open(path, "w") as file:  # the same file: the open append handle writes after it
+            file.write("".join(line + "\n" for line in kept))
+
+
 def plot_curves(run_dir: Path) -> Path:
     """``curves.png``: train reward and success per step, eval success points."""
     import matplotlib
@@ -145,10 +158,9 @@ def train_run(config: RunConfig, *, progress: bool = True,
     """The whole run (see the module doc); returns the summary. Resumes when the run folder
     holds checkpoints (the warm-start is then not redone)."""
     world = init_world(config.train.distributed)
-    try:
-        return _train_run(config, progress, print_fn, world)
-    finally:
-        shutdown()
+    summary = _train_run(config, progress, print_fn, world)
+    shutdown()  # after a failure the process just exits: torchrun stops the other ranks
+    return summary
 
 
 def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None) -> dict:
@@ -210,6 +222,8 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
         world.barrier()  # warmstart.json is written
     before = json.loads(warm_file.read_text())
     trainer = Trainer(policy, chat, environment, train, log=print_fn, world=world)
+    if resuming and main:
+        _forget_steps_after(run_dir / "metrics.jsonl", trainer.step_index)
     bar = None
     if progress:
         from tqdm import tqdm
