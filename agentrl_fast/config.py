@@ -54,9 +54,10 @@ class ModelConfig:
 @dataclass
 class WarmStartConfig:
     """Supervised warm-start: ``demos`` expert rollouts (train tasks), ``steps`` AdamW steps.
-    ``expert_save_probability`` / ``expert_read_probability`` below 1 make the expert careless
-    (``expert_action``: it skips saving, or reading back, some codes), so the demonstrations
-    leave something for RL to improve on."""
+    ``expert_save_probability`` / ``expert_read_probability`` / ``expert_retry_probability``
+    below 1 make the expert careless (``expert_action``: it skips saving or reading back some
+    codes, or gives up some jammed vaults), so the demonstrations leave something for RL to
+    improve on."""
 
     demos: int = 200
     steps: int = 300
@@ -64,6 +65,7 @@ class WarmStartConfig:
     batch_sequences: int = 32
     expert_save_probability: float = 1.0
     expert_read_probability: float = 1.0
+    expert_retry_probability: float = 1.0
 
 
 @dataclass
@@ -216,7 +218,8 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"eval.temperature must be >= 0, got {config.eval.temperature}")
     if config.warmstart.demos < 0 or config.warmstart.steps < 0:
         raise ConfigError("warmstart.demos and warmstart.steps must be >= 0")
-    for name in ("expert_save_probability", "expert_read_probability"):
+    for name in ("expert_save_probability", "expert_read_probability",
+                 "expert_retry_probability"):
         if not 0.0 <= getattr(config.warmstart, name) <= 1.0:
             raise ConfigError(f"warmstart.{name} must be in [0, 1], "
                               f"got {getattr(config.warmstart, name)}")

@@ -3,7 +3,8 @@ RL stage of ``agentrl-fast train`` under configuration variants, all from one wa
 
 The warm-start is the default run's (``warmstart`` section of the config: expert demonstrations
 through the real engine, then supervised steps; ``--demos`` / ``--warmstart-steps`` override
-it), done once. Then, for each ``--variant`` (``--set``-style overrides, comma-separated, e.g.
+it), done once (``--save-warm FILE`` keeps its weights, ``--load-warm FILE`` starts from them).
+``--set field=value`` changes the base config of everything (environment, warm-start, RL). Then, for each ``--variant`` (``--set``-style overrides, comma-separated, e.g.
 ``train.policy_lr=3e-4,train.lam=1.0``; the empty variant is the default), a copy of the
 warm-started policy trains for ``--steps`` steps and is evaluated greedily on the first
 ``--eval-tasks`` held-out tasks every ``--eval-every`` steps. Before RL, ``--pass-k`` samples
@@ -18,6 +19,7 @@ Usage (from the repository root; about 5 s per step and variant on 2 CPU cores):
 
     python bench/bench_learning.py [--steps 60] [--eval-every 20] [--eval-tasks 100]
         [--demos N] [--warmstart-steps N] [--pass-k 8] [--threads N] [--seed 0]  (--steps 0: SFT only)
+        [--set env.max_vaults=2] [--save-warm FILE | --load-warm FILE]
         [--variant "train.policy_lr=3e-4"] [--variant ""] [--out bench/results/learning.jsonl]
 """
 
@@ -35,10 +37,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agentrl_fast.config import apply_overrides, default_config  # noqa: E402
-from agentrl_fast.harness import RolloutEngine, TorchGenerator, expert_action  # noqa: E402
+from agentrl_fast.harness import RolloutEngine, TorchGenerator  # noqa: E402
 from agentrl_fast.train.ppo import Trainer  # noqa: E402
-from agentrl_fast.train.run import build, evaluate  # noqa: E402
-from agentrl_fast.train.sft import demonstrations, sft  # noqa: E402
+from agentrl_fast.train.run import build, evaluate, expert_demonstrations  # noqa: E402
+from agentrl_fast.train.sft import sft  # noqa: E402
 
 
 def pass_at_k(policy, chat, environment, config, k: int, tasks: int, seed: int) -> dict:
@@ -67,10 +69,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", action="append", default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    parser.add_argument("--save-warm", default=None)
+    parser.add_argument("--load-warm", default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    base = apply_overrides(default_config(), [f"seed={args.seed}"])
+    base = apply_overrides(default_config(), [f"seed={args.seed}", *args.set])
     if args.demos is not None:
         base = dataclasses.replace(base, warmstart=dataclasses.replace(base.warmstart,
                                                                        demos=args.demos))
@@ -87,11 +92,14 @@ def main(argv=None) -> int:
 
     environment, chat, policy = build(base)
     start = time.perf_counter()
-    demos = demonstrations(expert_action, chat, environment,
-                           environment.tasks("train")[:base.warmstart.demos], base.train.rollout,
-                           seed=base.seed)
-    sft(policy, [s for d in demos for s in d.sub_traces], steps=base.warmstart.steps,
-        lr=base.warmstart.lr, batch_sequences=base.warmstart.batch_sequences, seed=base.seed)
+    if args.load_warm:
+        policy.load_state_dict(torch.load(args.load_warm))
+    else:
+        demos = expert_demonstrations(base, chat, environment)
+        sft(policy, [s for d in demos for s in d.sub_traces], steps=base.warmstart.steps,
+            lr=base.warmstart.lr, batch_sequences=base.warmstart.batch_sequences, seed=base.seed)
+    if args.save_warm:
+        torch.save(policy.state_dict(), args.save_warm)
     warm = evaluate(policy, chat, environment, base, seed=base.seed)
     explore = pass_at_k(policy, chat, environment, base, args.pass_k, min(args.eval_tasks, 50),
                         seed=base.seed) if args.pass_k else {}

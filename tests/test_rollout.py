@@ -7,6 +7,8 @@ import copy
 import time
 from collections import Counter
 
+import re
+
 import pytest
 import torch
 
@@ -188,6 +190,17 @@ def test_expert_solves_the_environment_through_the_engine(env, chat):
                                                                            world.codes))
 
 
+def test_held_out_split_never_repeats_a_train_vault_list_and_says_when_it_cannot():
+    small = VaultEnvironment(max_vaults=2, train_size=300, eval_size=50)
+    seen = {t.data["world"].vaults for t in small.tasks("train")}
+    assert len(small.tasks("eval")) == 50
+    assert not any(t.data["world"].vaults in seen for t in small.tasks("eval"))
+    # 2 vaults of 30 make 870 lists, all of them among 10,000 train tasks: no held-out list left.
+    with pytest.raises(ValueError, match="cannot draw 200 held-out tasks .* use 870 of the 870 "
+                                         "possible lists"):
+        VaultEnvironment(max_vaults=2).tasks("eval")
+
+
 def test_a_vault_shows_its_code_once(env):
     task = next(t for t in env.tasks("train") if set(t.data["world"].vaults) - t.data["world"].jammed)
     world = task.data["world"]
@@ -202,7 +215,8 @@ def test_a_vault_shows_its_code_once(env):
 
 
 @pytest.mark.parametrize("careless", [{"read_probability": 0.0}, {"save_probability": 0.0},
-                                      {"read_probability": 0.5}])
+                                      {"read_probability": 0.5}, {"retry_probability": 0.0},
+                                      {"retry_probability": 0.5}])
 def test_a_careless_expert_loses_codes_and_answers_none(env, chat, careless):
     import functools
     expert = functools.partial(expert_action, **careless)
@@ -222,6 +236,12 @@ def test_a_careless_expert_loses_codes_and_answers_none(env, chat, careless):
         assert not any('<tool_call>\n{"name": "memory_read"' in t for t in texts)
     if careless.get("save_probability") == 0.0:
         assert not any('<tool_call>\n{"name": "memory_write"' in t for t in texts)
+    if "retry_probability" in careless:  # a jammed vault's code is lost when not retried
+        retried = [t for t in texts if re.search(
+            r'vault (\w+) is jammed; open it again\n</tool_response><\|im_end\|>\n'
+            r'<\|im_start\|>assistant\n<tool_call>\n\{"name": "open_vault", "arguments": '
+            r'\{"name": "\1"', t)]
+        assert bool(retried) == (careless["retry_probability"] > 0)
 
 
 class FlakyVaultEnvironment(VaultEnvironment):

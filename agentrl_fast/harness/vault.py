@@ -26,6 +26,7 @@ codes (a fixed choice per task and vault): demonstrations RL can improve on.
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -166,8 +167,16 @@ class VaultEnvironment:
                 self._tasks[split] = [self._make_task("train", i) for i in range(self.train_size)]
             else:
                 seen = {t.data["world"].vaults for t in self.tasks("train")}
+                possible = sum(math.perm(len(VAULT_NAMES), k)
+                               for k in range(self.min_vaults, self.max_vaults + 1))
                 held_out, index = [], 0
                 while len(held_out) < self.eval_size:
+                    if index >= 1000 * self.eval_size:  # the draw finds (almost) nothing new
+                        raise ValueError(
+                            f"VaultEnvironment: cannot draw {self.eval_size} held-out tasks whose "
+                            f"vault lists never occur in the {self.train_size} train tasks (those "
+                            f"use {len(seen)} of the {possible} possible lists); lower "
+                            f"train_size or eval_size, or raise max_vaults")
                     candidate = self._make_task("eval", index)
                     index += 1
                     if candidate.data["world"].vaults not in seen:
@@ -226,7 +235,7 @@ def _chooses(vaults: Sequence[str], vault: str, what: str, probability: float) -
 
 
 def expert_action(context: str, save_probability: float = 1.0,
-                  read_probability: float = 1.0) -> str:
+                  read_probability: float = 1.0, retry_probability: float = 1.0) -> str:
     """The next assistant output for the vault task, read from the context text alone: save a
     code seen but not saved, open a vault neither seen nor saved nor emptied (again if it was
     jammed), read a saved code no longer in view, else answer (``none`` for a lost code).
@@ -234,11 +243,13 @@ def expert_action(context: str, save_probability: float = 1.0,
     A careless expert (fixed choices per task and vault): ``save_probability`` < 1 saves each
     code with that probability (a code not saved is lost once compaction drops it from view);
     ``read_probability`` < 1 reads each saved code it no longer sees with that probability before
-    answering (``none`` for the others)."""
+    answering (``none`` for the others); ``retry_probability`` < 1 opens a jammed vault again
+    with that probability, else gives it up (moves on; ``none`` in the answer)."""
     vaults = _current_task_vaults(context)
     known: dict[str, str] = {}
     saved: set[str] = set()
     emptied = set(re.findall(r"vault ([a-z]+) is empty", context))
+    jammed = set(re.findall(r"vault ([a-z]+) is jammed", context))
     # The compaction summary lists saved keys and may repeat recent tool results.
     for listed in re.findall(r"Saved in memory: ([a-z, ]+)\.", context):
         saved.update(k.strip() for k in listed.split(",") if k.strip())
@@ -269,6 +280,8 @@ def expert_action(context: str, save_probability: float = 1.0,
     for i, vault in enumerate(vaults):
         if vault not in known and vault not in saved and vault not in emptied \
                 and not (seen and i < max(seen)):
+            if vault in jammed and not _chooses(vaults, vault, "retry", retry_probability):
+                continue  # given up: the next vault is opened, this code is lost
             return _call_text("open_vault", {"name": vault})
     for vault in vaults:
         if vault not in known and vault in saved and _chooses(vaults, vault, "read",

@@ -70,6 +70,25 @@ def build(config: RunConfig):
     return environment, chat, policy
 
 
+def expert_demonstrations(config: RunConfig, chat: ChatFormat, environment) -> list:
+    """The warm-start's demonstrations: the (possibly careless) expert of ``config.warmstart``
+    on the first ``warmstart.demos`` train tasks, through the real rollout engine. A careless
+    expert is imitated as it is, failures included; a careful one by its successes."""
+    w = config.warmstart
+    probabilities = dict(save_probability=w.expert_save_probability,
+                         read_probability=w.expert_read_probability,
+                         retry_probability=w.expert_retry_probability)
+    careless = any(p != 1.0 for p in probabilities.values())
+    demos = demonstrations(functools.partial(expert_action, **probabilities), chat, environment,
+                           environment.tasks("train")[:w.demos], config.train.rollout,
+                           seed=config.seed, successful_only=not careless)
+    if not demos:
+        raise ConfigError(f"warmstart.demos: the expert solved none of {w.demos} tasks within "
+                          f"the train.rollout limits (max_turns={config.train.rollout.max_turns}, "
+                          f"context_budget={config.train.rollout.context_budget}); raise them")
+    return demos
+
+
 def evaluate(policy, chat: ChatFormat, environment, config: RunConfig, *, seed: int = 0,
              world: World | None = None) -> dict:
     """Success rate and mean reward on the first ``eval.tasks`` held-out tasks (one rollout
@@ -174,22 +193,7 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
     resuming = any((run_dir / "checkpoints").glob("step-*"))
     demos = []
     if not resuming and config.warmstart.steps:
-        careless = (config.warmstart.expert_save_probability,
-                    config.warmstart.expert_read_probability) != (1.0, 1.0)
-        expert = functools.partial(
-            expert_action, save_probability=config.warmstart.expert_save_probability,
-            read_probability=config.warmstart.expert_read_probability)
-        # A careless expert is imitated as it is, failures included.
-        demos = demonstrations(expert, chat, environment,
-                               environment.tasks("train")[:config.warmstart.demos],
-                               config.train.rollout, seed=config.seed,
-                               successful_only=not careless)
-        if not demos:
-            raise ConfigError(f"warmstart.demos: the expert solved none of "
-                              f"{config.warmstart.demos} tasks within the train.rollout "
-                              f"limits (max_turns={config.train.rollout.max_turns}, "
-                              f"context_budget={config.train.rollout.context_budget}); "
-                              "raise them")
+        demos = expert_demonstrations(config, chat, environment)
     if world is not None:  # every rank must be at this point before rank 0 writes the folder
         world.barrier()
     outputs = None
