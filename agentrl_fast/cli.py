@@ -73,7 +73,13 @@ def _cmd_eval(args) -> int:
             print(f"agentrl-fast eval: no checkpoint in {run_dir / 'checkpoints'}", file=sys.stderr)
             return 2
         path, _, state = found
-    policy.load_state_dict(state["policy"])
+    if "dcp" in state:  # written by a torchrun job: read the policy's tensors from its shards
+        import torch.distributed.checkpoint as dcp
+        target = {"policy": policy.state_dict()}
+        dcp.load(target, checkpoint_id=str(state["dcp"]))
+        policy.load_state_dict(target["policy"])
+    else:
+        policy.load_state_dict(state["policy"])
     m = evaluate(policy, chat, environment, config, seed=config.seed)
     print("| checkpoint | held-out tasks | success | mean reward | sub-traces | turns |")
     print("| --- | --- | --- | --- | --- | --- |")

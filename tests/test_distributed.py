@@ -167,6 +167,11 @@ def test_two_rank_checkpoint_resumes_on_one_and_two_ranks_identically(tmp_path):
     manifest = json.loads((step2 / "manifest.json").read_text())
     assert manifest["entries"]["dcp"]["kind"] == "dcp" and manifest["entries"]["dcp"]["files"]
     expected = exported(straight)
+    evaluated = subprocess.run([sys.executable, "-m", "agentrl_fast.cli", "eval", "--run-dir",
+                                str(straight), "--tasks", "2"], cwd=ROOT, env=ENV,
+                               capture_output=True, text=True, timeout=120)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "| step-000000003 | 2 |" in evaluated.stdout
     for ranks in (2, 1):
         resumed = tmp_path / f"on-{ranks}"
         shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step-000000003",
