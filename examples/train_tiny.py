@@ -22,7 +22,7 @@ args = parser.parse_args()
 
 env = VaultEnvironment()
 chat = ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
-rollout = RolloutConfig(samples_per_task=4, context_budget=200, max_turns=16, summary_chars=200,
+rollout = RolloutConfig(samples_per_task=4, context_budget=200, max_turns=24, summary_chars=200,
                         sampling=SamplingParams(temperature=1.0, max_new_tokens=24))
 warm = tiny_qwen3(len(chat.tokenizer), seed=0)
 demos = demonstrations(expert_action, chat, env, env.tasks("train")[:args.demos], rollout)

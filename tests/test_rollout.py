@@ -217,7 +217,7 @@ def test_a_vault_shows_its_code_once(env):
 @pytest.mark.parametrize("careless", [{"read_probability": 0.0}, {"save_probability": 0.0},
                                       {"read_probability": 0.5}, {"retry_probability": 0.0},
                                       {"retry_probability": 0.5}])
-def test_a_careless_expert_loses_codes_and_answers_none(env, chat, careless):
+def test_a_careless_expert_loses_codes_and_submits_none(env, chat, careless):
     import functools
     expert = functools.partial(expert_action, **careless)
     engine = RolloutEngine(ScriptedGenerator(expert, chat), chat, env,
@@ -229,7 +229,8 @@ def test_a_careless_expert_loses_codes_and_answers_none(env, chat, careless):
     assert [t.reward for t in trajectories] == [t.reward for t in again]
     texts = ["".join(chat.decode(s.ids) for s in t.sub_traces) for t in trajectories]
     assert all(t.sub_traces[-1].end == "terminal" for t in trajectories)  # it still answers
-    lost = [t for t in texts if "Codes:" in t and " none" in t.split("Codes:")[-1]]
+    lost = [t for t in texts if '"name": "submit_code", "arguments": {"vault": ' in t
+            and '"code": "none"}' in t]
     assert lost, "a careless expert loses some codes"
     assert 0.0 < rollout_metrics(trajectories)["success"] < 1.0
     if careless.get("read_probability") == 0.0:
@@ -297,7 +298,7 @@ def test_tool_responses_over_the_cap_are_truncated_visibly(chat):
     def reader(context):
         if "[truncated:" not in context:
             return '<tool_call>\n{"name": "memory_read", "arguments": {"key": "note"}}\n</tool_call>'
-        return "Codes: none"
+        return "Done."
 
     engine = RolloutEngine(ScriptedGenerator(reader, chat), chat, LongEnvironment(),
                            config(samples_per_task=1, max_tool_response_chars=50,
@@ -338,11 +339,34 @@ def test_derive_seed_and_summary():
 
 
 def test_score():
-    assert score("Codes: falcon tiger", ["falcon", "tiger"]) == 1.0
-    assert score("codes: falcon tiger", ["falcon", "tiger"]) == 0.0  # "Codes:" is the format
-    assert score("Codes: falcon, otter.", ["falcon", "tiger"]) == 0.5
-    assert score("Codes: falcon tiger otter", ["falcon", "tiger"]) == 2 / 3
-    assert score(None, ["falcon"]) == 0.0
+    vaults, codes = ["kite", "jade"], ["falcon", "tiger"]
+    assert score({"kite": "falcon", "jade": "tiger"}, vaults, codes) == 1.0
+    assert score({"jade": "tiger", "kite": "otter"}, vaults, codes) == 0.5
+    assert score({"kite": "none"}, vaults, codes) == 0.0
+    assert score({}, vaults, codes) == 0.0 and score({}, [], []) == 0.0
+
+
+def test_submit_code_needs_every_vault_opened_and_takes_one_code_per_vault(env):
+    task = next(t for t in env.tasks("train") if not t.data["world"].jammed)
+    world = task.data["world"]
+    with MemoryStore() as store:
+        episode = env.start(task, store.namespace("submit"), seed=0)
+        tools = {t.name: t for t in episode.tools}
+        first, *rest = world.vaults
+        tools["open_vault"].fn(name=first)
+        with pytest.raises(RuntimeError, match=f"open every vault first: {rest[0]} is not "
+                                               "opened yet"):
+            tools["submit_code"].fn(vault=first, code=world.codes[0])
+        for vault in rest:
+            tools["open_vault"].fn(name=vault)
+        with pytest.raises(ValueError, match='no vault named "nowhere"'):
+            tools["submit_code"].fn(vault="nowhere", code="yak")
+        assert tools["submit_code"].fn(vault=first, code=world.codes[0]) == (
+            f"submitted; left: {', '.join(rest)}")
+        with pytest.raises(RuntimeError, match=f"vault {first}: a code was already submitted"):
+            tools["submit_code"].fn(vault=first, code="yak")
+        assert episode.finish("Done.") == 1 / len(world.vaults)  # only the first was handed in
+        assert not episode.success
 
 
 @pytest.mark.parametrize("field, value, fragment", [

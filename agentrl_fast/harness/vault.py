@@ -1,16 +1,18 @@
 """The built-in long-horizon environment: collect the codes of several vaults, keeping them in
-memory across context compactions, recovering from jammed vaults, and answer them in order.
+memory across context compactions, recovering from jammed vaults, then hand them in.
 
 A task names ``k`` vaults. ``open_vault(name)`` returns ``vault <name>: code <code>``, except
 that some vaults are jammed on their first opening (the tool raises; the model reads the error
 and must open the vault again), a vault shows its code once (opening it again raises: it is
-empty) and unknown names raise. The context budget is small, so the conversation is compacted
-into sub-traces and codes seen earlier are gone from the context: the agent must
-``memory_write`` each code when it sees it and ``memory_read`` the codes it no longer sees
-before answering (the compaction summary lists the memory keys); a code neither saved nor in
-view is lost (the answer writes ``none`` in its place). The answer is the codes in the task's
-order (``Codes: falcon tiger``); the reward is the fraction of positions right, success all of
-them.
+empty) and unknown names raise. ``submit_code(vault, code)`` hands in one vault's code, once
+per vault, and only after every vault has been opened (a jammed attempt counts); it answers
+with the vaults left to submit (``submitted; left: cedar, iris``). The context
+budget is small, so the conversation is compacted into sub-traces and codes seen earlier are
+gone from the context: the agent must ``memory_write`` each code when it sees it and, once
+every vault is open, ``memory_read`` each code back and submit it (the compaction summary lists
+the memory keys); a code neither saved nor in view is lost (``none`` is submitted for it). The
+episode ends with a text answer (``Done.``); the reward is the fraction of vaults whose right
+code was submitted, success all of them.
 
 Everything is a pure function of the task id (world: names, codes, jammed vaults) and no tool
 reads the clock, so episodes are deterministic. Splits: ``"train"`` and a held-out ``"eval"``
@@ -30,9 +32,9 @@ import math
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from agentrl_fast.harness.chat_format import IM_START, TOOL_RESPONSE_CLOSE
+from agentrl_fast.harness.chat_format import IM_END, IM_START, TOOL_RESPONSE_CLOSE
 from agentrl_fast.harness.environment import SPLITS, Task
 from agentrl_fast.harness.memory import MemoryNamespace
 from agentrl_fast.harness.rollout import derive_seed
@@ -47,13 +49,14 @@ CODE_WORDS = ("falcon", "tiger", "otter", "heron", "lynx", "bison", "crane", "ea
               "hyena", "ibis", "jackal", "koala", "lemur", "moose", "newt", "ocelot", "panda",
               "quail", "robin", "seal", "tapir", "viper", "walrus", "yak", "zebra")
 SYSTEM_PROMPT = ("You open vaults to collect their codes. A vault shows its code once: save "
-                 "each code with memory_write as soon as you see it; your context may be reset, "
-                 "then read saved codes with memory_read. A jammed vault opens on a second try. "
-                 "Answer with the codes in the task's order, like: Codes: falcon tiger")
-LOST_CODE = "none"  # the answer's word for a code the agent no longer has
+                 "each code with memory_write as soon as you see it; your context may be reset. "
+                 "A jammed vault opens on a second try. When every vault is open, read each "
+                 "code back with memory_read and hand it in with submit_code, in the task's "
+                 "order, then say Done.")
+LOST_CODE = "none"  # what is submitted for a code the agent no longer has
+DONE = "Done."  # the expert's final answer
 MEMORY_TOOLS = ("memory_write", "memory_read")
 _TASK_PATTERN = re.compile(r"Collect the codes of vaults ([a-z ,]+?)\.")
-_ANSWER_PATTERN = re.compile(r"Codes:\s*(.*)", re.S)
 
 
 @dataclass(frozen=True)
@@ -76,17 +79,12 @@ def _world(seed_text: str, min_vaults: int, max_vaults: int, jam_probability: fl
     return VaultWorld(vaults, codes, jammed)
 
 
-def score(answer: str | None, codes: Sequence[str]) -> float:
-    """Fraction of positions right: the words after ``Codes:`` (punctuation ignored) against
-    the task's codes, over the longer of the two lists."""
-    if not answer:
+def score(submitted: Mapping[str, str], vaults: Sequence[str], codes: Sequence[str]) -> float:
+    """Fraction of the task's vaults whose right code was submitted (``submitted``: vault ->
+    code handed in)."""
+    if not vaults:
         return 0.0
-    match = _ANSWER_PATTERN.search(answer)
-    if not match:
-        return 0.0
-    given = re.findall(r"[a-z]+", match.group(1).lower())
-    right = sum(1 for expected, answered in zip(codes, given) if expected == answered)
-    return right / max(len(codes), len(given))  # extra words cost like wrong ones
+    return sum(submitted.get(v) == c for v, c in zip(vaults, codes)) / len(vaults)
 
 
 @dataclass
@@ -96,6 +94,7 @@ class VaultEpisode:
     system_prompt: str = SYSTEM_PROMPT
     reward: float = 0.0
     opened: dict = field(default_factory=dict)
+    submitted: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.prompt = task_prompt(self.world.vaults)
@@ -118,14 +117,33 @@ class VaultEpisode:
                 raise RuntimeError(f"vault {name} is empty; it showed its code once")
             return f"vault {name}: code {codes[name]}"
 
+        @tool
+        def submit_code(vault: str, code: str) -> str:
+            """Hand in a vault's code (once per vault, after every vault has been opened).
+
+            Args:
+                vault: The vault's name.
+                code: Its code.
+            """
+            if vault not in codes:
+                raise ValueError(f"no vault named {json.dumps(vault)}")
+            closed = [v for v in self.world.vaults if v not in self.opened]
+            if closed:
+                raise RuntimeError(f"open every vault first: {closed[0]} is not opened yet")
+            if vault in self.submitted:
+                raise RuntimeError(f"vault {vault}: a code was already submitted")
+            self.submitted[vault] = code
+            left = [v for v in self.world.vaults if v not in self.submitted]
+            return f"submitted; left: {', '.join(left) if left else 'none'}"
+
         memory_tools = [t for t in self.memory.tools() if t.name in MEMORY_TOOLS]
-        self.tools = [open_vault, *memory_tools]
+        self.tools = [open_vault, *memory_tools, submit_code]
 
     def after_tools(self, calls: Sequence[ToolCall], results: Sequence[ToolResult]) -> float:
         return 0.0
 
     def finish(self, answer: str | None) -> float:
-        self.reward = score(answer, self.world.codes)
+        self.reward = score(self.submitted, self.world.vaults, self.world.codes)
         return self.reward
 
     @property
@@ -199,9 +217,12 @@ class VaultEnvironment:
                          f"vault {name} is empty; it showed its code once")
             lines.append(_call_text("open_vault", {"name": name}))
             lines.append(_call_text("memory_read", {"key": name}))
-            for code in CODE_WORDS:
+            lines.append(f"vault {name}: a code was already submitted. open every vault first: "
+                         f"{name} is not opened yet")
+            for code in CODE_WORDS + (LOST_CODE,):
                 lines.append(_call_text("memory_write", {"key": name, "value": code}))
-        lines.append("Codes: " + " ".join(CODE_WORDS) + f" {LOST_CODE}")
+                lines.append(_call_text("submit_code", {"vault": name, "code": code}))
+        lines.append(f"submitted; left: {', '.join(VAULT_NAMES[:3])}. submitted; left: none. {DONE}")
         lines.append(task_prompt(VAULT_NAMES))
         # The system turn with the tools header starts every sub-trace: weigh it so its words
         # and JSON become few tokens.
@@ -237,17 +258,20 @@ def _chooses(vaults: Sequence[str], vault: str, what: str, probability: float) -
 def expert_action(context: str, save_probability: float = 1.0,
                   read_probability: float = 1.0, retry_probability: float = 1.0) -> str:
     """The next assistant output for the vault task, read from the context text alone: save a
-    code seen but not saved, open a vault neither seen nor saved nor emptied (again if it was
-    jammed), read a saved code no longer in view, else answer (``none`` for a lost code).
+    code seen but not saved; open the next vault (again if it was jammed); once every vault is
+    open, for each vault in the task's order read its code back and submit it (``none`` for a
+    lost code); then ``Done.``.
 
     A careless expert (fixed choices per task and vault): ``save_probability`` < 1 saves each
     code with that probability (a code not saved is lost once compaction drops it from view);
-    ``read_probability`` < 1 reads each saved code it no longer sees with that probability before
-    answering (``none`` for the others); ``retry_probability`` < 1 opens a jammed vault again
-    with that probability, else gives it up (moves on; ``none`` in the answer)."""
+    ``read_probability`` < 1 reads each code back with that probability before submitting it
+    (else it submits the code if it is still in view, ``none`` if not); ``retry_probability``
+    < 1 opens a jammed vault again with that probability, else gives it up (moves on, submits
+    ``none`` for it)."""
     vaults = _current_task_vaults(context)
     known: dict[str, str] = {}
     saved: set[str] = set()
+    submitted: set[str] = set()
     emptied = set(re.findall(r"vault ([a-z]+) is empty", context))
     jammed = set(re.findall(r"vault ([a-z]+) is jammed", context))
     # The compaction summary lists saved keys and may repeat recent tool results.
@@ -255,36 +279,59 @@ def expert_action(context: str, save_probability: float = 1.0,
         saved.update(k.strip() for k in listed.split(",") if k.strip())
     for name, code in re.findall(r"vault ([a-z]+): code ([a-z]+)", context):
         known[name] = code
+    submitted.update(re.findall(r"vault ([a-z]+): a code was already submitted", context))
+    submitted.update(re.findall(r'- submit_code \{"vault": "([a-z]+)"[^\n]*\}: submitted;', context))
     for name, code in re.findall(r'- memory_read \{"key": "([a-z]+)"\}: ([a-z]+)\b', context):
         known[name] = code
-    # Pair each call with its response, in order.
+    # Pair each call with its response, in order; remember a read that was the last result
+    # (in the summary, or in a turn).
+    listed = re.findall(r"^- (.*)$", context, flags=re.M)
+    match = re.match(r'memory_read \{"key": "([a-z]+)"\}: [a-z]+(?:' + re.escape(IM_END) + ")?$",
+                     listed[-1]) if listed else None
+    last_read = match.group(1) if match else None
     turns = context.split(f"{IM_START}assistant\n")[1:]
     for turn in turns:
         calls = [c for c in parse_tool_calls(turn) if c.ok]
         responses = re.findall(r"<tool_response>\n(.*?)\n" + re.escape(TOOL_RESPONSE_CLOSE),
                                turn, flags=re.S)
         for call, response in zip(calls, responses):
+            last_read = None
             if response.startswith("Error"):
                 continue
             if call.name == "memory_write":
                 saved.add(call.arguments.get("key"))
+            elif call.name == "submit_code":
+                submitted.add(call.arguments.get("vault"))
             elif call.name == "memory_read":
                 known[call.arguments.get("key")] = response.strip()
+                last_read = call.arguments.get("key")
+    # Codes are submitted in the task's order: all before the last one seen submitted are too
+    # (the compaction summary shows only the latest results).
+    done = [i for i, v in enumerate(vaults) if v in submitted]
+    if match and match.group(1) in vaults:  # the summary's last result reads the next one
+        done.append(vaults.index(match.group(1)) - 1)
+    done = [i for i in done if i >= 0]
+    submitted.update(vaults[:max(done) + 1] if done else [])
     for vault in vaults:
-        if vault in known and vault not in saved and _chooses(vaults, vault, "save",
-                                                              save_probability):
+        if vault in known and vault not in saved and vault not in submitted \
+                and _chooses(vaults, vault, "save", save_probability):
             return _call_text("memory_write", {"key": vault, "value": known[vault]})
     # Vaults are opened in the task's order: one before a vault already seen was opened (its
     # code, if neither saved nor in view, is lost).
-    seen = [i for i, v in enumerate(vaults) if v in known or v in saved or v in emptied]
+    tried = [i for i, v in enumerate(vaults)
+             if v in known or v in saved or v in emptied or v in jammed or v in submitted]
     for i, vault in enumerate(vaults):
         if vault not in known and vault not in saved and vault not in emptied \
-                and not (seen and i < max(seen)):
+                and vault not in submitted and not (tried and i < max(tried)):
             if vault in jammed and not _chooses(vaults, vault, "retry", retry_probability):
                 continue  # given up: the next vault is opened, this code is lost
             return _call_text("open_vault", {"name": vault})
     for vault in vaults:
-        if vault not in known and vault in saved and _chooses(vaults, vault, "read",
-                                                              read_probability):
-            return _call_text("memory_read", {"key": vault})
-    return "Codes: " + " ".join(known.get(v, LOST_CODE) for v in vaults)
+        if vault in submitted:
+            continue
+        if last_read == vault or vault not in saved or not _chooses(vaults, vault, "read",
+                                                                     read_probability):
+            return _call_text("submit_code", {"vault": vault,
+                                              "code": known.get(vault, LOST_CODE)})
+        return _call_text("memory_read", {"key": vault})
+    return DONE
