@@ -59,7 +59,7 @@ class WarmStartConfig:
     codes, or gives up some jammed vaults), so the demonstrations leave something for RL to
     improve on."""
 
-    demos: int = 200
+    demos: int = 2000
     steps: int = 300
     lr: float = 3e-3
     batch_sequences: int = 32
