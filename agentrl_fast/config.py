@@ -54,6 +54,7 @@ class ModelConfig:
 @dataclass
 class WarmStartConfig:
     """Supervised warm-start: ``demos`` expert rollouts (train tasks), ``steps`` AdamW steps.
+    ``stop_loss`` ends it early once the supervised loss (mean of the last 20 steps) is below it.
     ``expert_save_probability`` / ``expert_read_probability`` / ``expert_retry_probability``
     below 1 make the expert careless (``expert_action``: it skips saving or reading back some
     codes, or gives up some jammed vaults), so the demonstrations leave something for RL to
@@ -63,6 +64,7 @@ class WarmStartConfig:
     steps: int = 300
     lr: float = 3e-3
     batch_sequences: int = 32
+    stop_loss: float | None = None  # stop early once the last 20 steps' mean loss is below it
     expert_save_probability: float = 1.0
     expert_read_probability: float = 1.0
     expert_retry_probability: float = 1.0
@@ -223,6 +225,9 @@ def validate(config: RunConfig) -> None:
         if not 0.0 <= getattr(config.warmstart, name) <= 1.0:
             raise ConfigError(f"warmstart.{name} must be in [0, 1], "
                               f"got {getattr(config.warmstart, name)}")
+    if config.warmstart.stop_loss is not None and not config.warmstart.stop_loss > 0:
+        raise ConfigError(f"warmstart.stop_loss must be > 0 (or null), "
+                          f"got {config.warmstart.stop_loss}")
     if config.warmstart.steps and not config.warmstart.demos:
         raise ConfigError("warmstart.steps > 0 needs warmstart.demos > 0")
     if config.model.num_heads % config.model.num_kv_heads:

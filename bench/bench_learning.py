@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     else:
         demos = expert_demonstrations(base, chat, environment)
         sft(policy, [s for d in demos for s in d.sub_traces], steps=base.warmstart.steps,
-            lr=base.warmstart.lr, batch_sequences=base.warmstart.batch_sequences, seed=base.seed)
+            lr=base.warmstart.lr, batch_sequences=base.warmstart.batch_sequences, seed=base.seed,
+            stop_loss=base.warmstart.stop_loss)
     if args.save_warm:
         torch.save(policy.state_dict(), args.save_warm)
     warm = evaluate(policy, chat, environment, base, seed=base.seed)

@@ -211,9 +211,10 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
             sub_traces = [s for d in demos for s in d.sub_traces]
             losses = sft(policy, sub_traces, steps=config.warmstart.steps, lr=config.warmstart.lr,
                          batch_sequences=config.warmstart.batch_sequences, seed=config.seed,
+                         stop_loss=config.warmstart.stop_loss,
                          log=(lambda m: outputs.write("warmstart", m["sft_step"], m)) if main
                          else None)
-            print_fn(f"warm-start: {len(demos)} expert rollouts, {config.warmstart.steps} steps, "
+            print_fn(f"warm-start: {len(demos)} expert rollouts, {len(losses)} steps, "
                      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         if world is not None:
             world.broadcast_parameters(policy)
