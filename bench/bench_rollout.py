@@ -334,7 +334,7 @@ def rollout_config(schedule: str, samples: int) -> RolloutConfig:
     return RolloutConfig(samples_per_task=samples,
                          sampling=SamplingParams(temperature=1.0, top_p=0.95,
                                                  max_new_tokens=MAX_NEW_TOKENS),
-                         context_budget=CONTEXT_BUDGET, max_turns=16, summary_chars=100,
+                         context_budget=CONTEXT_BUDGET, max_turns=24, summary_chars=200,
                          schedule=schedule)
 
 
