@@ -285,10 +285,11 @@ def expert_action(context: str, save_probability: float = 1.0,
         known[name] = code
     # Pair each call with its response, in order; remember a read that was the last result
     # (in the summary, or in a turn).
-    listed = re.findall(r"^- (.*)$", context, flags=re.M)
-    match = re.match(r'memory_read \{"key": "([a-z]+)"\}: [a-z]+(?:' + re.escape(IM_END) + ")?$",
-                     listed[-1]) if listed else None
-    last_read = match.group(1) if match else None
+    summary_lines = re.findall(r"^- (.*)$", context, flags=re.M)
+    found = re.match(r'memory_read \{"key": "([a-z]+)"\}: [a-z]+(?:' + re.escape(IM_END) + ")?$",
+                     summary_lines[-1]) if summary_lines else None
+    summary_read = found.group(1) if found else None
+    last_read = summary_read
     turns = context.split(f"{IM_START}assistant\n")[1:]
     for turn in turns:
         calls = [c for c in parse_tool_calls(turn) if c.ok]
@@ -308,10 +309,9 @@ def expert_action(context: str, save_probability: float = 1.0,
     # Codes are submitted in the task's order: all before the last one seen submitted are too
     # (the compaction summary shows only the latest results).
     done = [i for i, v in enumerate(vaults) if v in submitted]
-    if match and match.group(1) in vaults:  # the summary's last result reads the next one
-        done.append(vaults.index(match.group(1)) - 1)
-    done = [i for i in done if i >= 0]
-    submitted.update(vaults[:max(done) + 1] if done else [])
+    if summary_read in vaults:  # the summary's last result reads the next one
+        done.append(vaults.index(summary_read) - 1)
+    submitted.update(vaults[:max(done, default=-1) + 1])
     for vault in vaults:
         if vault in known and vault not in saved and vault not in submitted \
                 and _chooses(vaults, vault, "save", save_probability):
