@@ -33,7 +33,7 @@ class EnvConfig:
     max_vaults: int = 3
     jam_probability: float = 0.3
     train_size: int = 10_000
-    eval_size: int = 200
+    eval_size: int = 250
 
 
 @dataclass
@@ -53,18 +53,26 @@ class ModelConfig:
 
 @dataclass
 class WarmStartConfig:
-    """Supervised warm-start: ``demos`` expert rollouts (train tasks), ``steps`` AdamW steps.
-    ``stop_loss`` ends it early once the supervised loss (mean of the last 20 steps) is below it.
+    """Supervised warm-start: ``demos`` expert rollouts (the first train tasks), at most
+    ``steps`` AdamW steps. With ``target_success``, every ``check_every`` steps the policy runs
+    greedily on ``check_tasks`` validation tasks and the warm-start ends once its success
+    reaches ``target_success``: a policy that has learned the mechanics but leaves the rest to
+    RL, at the same point whatever the seed (the speed of the supervised phase varies by about
+    2x across seeds). The validation tasks are the last held-out tasks (vault lists never
+    trained on), none of them among the ``eval.tasks`` the final evaluation uses: success on
+    train-split lists runs far ahead of held-out success (0.48 vs 0.005 for one seed).
     ``expert_save_probability`` / ``expert_read_probability`` / ``expert_retry_probability``
     below 1 make the expert careless (``expert_action``: it skips saving or reading back some
     codes, or gives up some jammed vaults), so the demonstrations leave something for RL to
     improve on."""
 
     demos: int = 2000
-    steps: int = 300
+    steps: int = 800
     lr: float = 3e-3
     batch_sequences: int = 32
-    stop_loss: float | None = None  # stop early once the last 20 steps' mean loss is below it
+    target_success: float | None = 0.4
+    check_every: int = 25
+    check_tasks: int = 50
     expert_save_probability: float = 1.0
     expert_read_probability: float = 1.0
     expert_retry_probability: float = 1.0
@@ -225,9 +233,19 @@ def validate(config: RunConfig) -> None:
         if not 0.0 <= getattr(config.warmstart, name) <= 1.0:
             raise ConfigError(f"warmstart.{name} must be in [0, 1], "
                               f"got {getattr(config.warmstart, name)}")
-    if config.warmstart.stop_loss is not None and not config.warmstart.stop_loss > 0:
-        raise ConfigError(f"warmstart.stop_loss must be > 0 (or null), "
-                          f"got {config.warmstart.stop_loss}")
+    w = config.warmstart
+    if w.target_success is not None:
+        if not 0.0 < w.target_success <= 1.0:
+            raise ConfigError(f"warmstart.target_success must be in (0, 1] (or null), "
+                              f"got {w.target_success}")
+        if w.check_every < 1 or w.check_tasks < 1:
+            raise ConfigError(f"warmstart.check_every and warmstart.check_tasks must be >= 1, "
+                              f"got {w.check_every} and {w.check_tasks}")
+        if config.eval.tasks + w.check_tasks > config.env.eval_size:
+            raise ConfigError(f"eval.tasks ({config.eval.tasks}) + warmstart.check_tasks "
+                              f"({w.check_tasks}) exceed env.eval_size "
+                              f"({config.env.eval_size}): the warm-start's validation tasks "
+                              "are held-out tasks the final evaluation does not use")
     if config.warmstart.steps and not config.warmstart.demos:
         raise ConfigError("warmstart.steps > 0 needs warmstart.demos > 0")
     if config.model.num_heads % config.model.num_kv_heads:

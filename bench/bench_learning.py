@@ -39,8 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agentrl_fast.config import apply_overrides, default_config  # noqa: E402
 from agentrl_fast.harness import RolloutEngine, TorchGenerator  # noqa: E402
 from agentrl_fast.train.ppo import Trainer  # noqa: E402
-from agentrl_fast.train.run import build, evaluate, expert_demonstrations  # noqa: E402
-from agentrl_fast.train.sft import sft  # noqa: E402
+from agentrl_fast.train.run import build, evaluate, expert_demonstrations, warm_start  # noqa: E402
 
 
 def pass_at_k(policy, chat, environment, config, k: int, tasks: int, seed: int) -> dict:
@@ -96,9 +95,7 @@ def main(argv=None) -> int:
         policy.load_state_dict(torch.load(args.load_warm))
     else:
         demos = expert_demonstrations(base, chat, environment)
-        sft(policy, [s for d in demos for s in d.sub_traces], steps=base.warmstart.steps,
-            lr=base.warmstart.lr, batch_sequences=base.warmstart.batch_sequences, seed=base.seed,
-            stop_loss=base.warmstart.stop_loss)
+        warm_start(base, policy, chat, environment, demos)
     if args.save_warm:
         torch.save(policy.state_dict(), args.save_warm)
     warm = evaluate(policy, chat, environment, base, seed=base.seed)

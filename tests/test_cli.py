@@ -13,6 +13,7 @@ from agentrl_fast.config import (ConfigError, RunConfig, apply_overrides, defaul
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--set", "warmstart.demos=8", "--set", "warmstart.steps=5", "--set", "eval.tasks=6",
+        "--set", "warmstart.check_every=2", "--set", "warmstart.check_tasks=3",
         "--set", "train.tasks_per_step=2", "--set", "train.rollout.samples_per_task=2"]
 
 
@@ -31,6 +32,9 @@ def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     kinds = [r["kind"] for r in rows]
     assert kinds.count("train") == 2 and kinds.count("eval") == 2 and "warmstart" in kinds
+    # The warm-start's validation checks (every 2 steps; 5 steps cannot reach 0.4 success).
+    assert [r["sft_step"] for r in rows if "sft_loss" in r] == [1, 2, 3, 4, 5]
+    assert [r["sft_step"] for r in rows if "check_success" in r] == [2, 4]
     train_row = next(r for r in rows if r["kind"] == "train")
     for key in ("reward", "success", "approx_kl", "clipfrac", "tokens_per_second"):
         assert key in train_row
@@ -66,6 +70,12 @@ def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
      "warmstart.demos: the expert solved none of 4 tasks"),
     (["--set", "warmstart.expert_read_probability=1.5"],
      "warmstart.expert_read_probability must be in [0, 1], got 1.5"),
+    (["--set", "warmstart.target_success=0"],
+     "warmstart.target_success must be in (0, 1] (or null), got 0"),
+    (["--set", "warmstart.check_every=0"],
+     "warmstart.check_every and warmstart.check_tasks must be >= 1, got 0 and 50"),
+    (["--set", "warmstart.check_tasks=60"],
+     "eval.tasks (200) + warmstart.check_tasks (60) exceed env.eval_size (250)"),
 ])
 def test_bad_configuration_fails_at_start_naming_the_field(args, fragment, tmp_path):
     result = cli("train", "--run-dir", str(tmp_path / "run"), "--no-progress", *args,

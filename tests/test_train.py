@@ -336,15 +336,17 @@ def test_sft_warm_start_fits_the_expert(chat):
     assert losses[-1] < 0.5 * losses[0]
     with pytest.raises(ValueError, match="steps must be >= 0"):
         sft(policy, sub_traces, steps=-1)
-    # stop_loss: stops once the mean of the last stop_window losses is below it.
-    stopped = sft(policy, sub_traces, steps=50, batch_sequences=8, stop_loss=losses[0],
-                  stop_window=3)
-    assert len(stopped) == 3 and sum(stopped) / 3 < losses[0]
-    never = sft(tiny_qwen3(len(chat.tokenizer), seed=0), sub_traces, steps=4, batch_sequences=8,
-                stop_loss=1e-9, stop_window=2)
-    assert len(never) == 4
-    with pytest.raises(ValueError, match="stop_loss must be > 0 or None"):
-        sft(policy, sub_traces, steps=1, stop_loss=0.0)
+    # stop(steps_run, losses) after every step; True ends it there.
+    seen = []
+
+    def stop(steps_run, so_far):
+        seen.append((steps_run, len(so_far)))
+        return steps_run == 3
+
+    assert len(sft(policy, sub_traces, steps=50, batch_sequences=8, stop=stop)) == 3
+    assert seen == [(1, 1), (2, 2), (3, 3)]
+    assert len(sft(policy, sub_traces, steps=4, batch_sequences=8,
+                   stop=lambda steps_run, so_far: False)) == 4
 
 
 def test_each_step_draws_distinct_tasks_in_a_seeded_order(chat):

@@ -90,21 +90,51 @@ def expert_demonstrations(config: RunConfig, chat: ChatFormat, environment) -> l
 
 
 def evaluate(policy, chat: ChatFormat, environment, config: RunConfig, *, seed: int = 0,
-             world: World | None = None) -> dict:
-    """Success rate and mean reward on the first ``eval.tasks`` held-out tasks (one rollout
-    each, at ``eval.temperature``, with the training rollout limits); ``world``: the ranks
-    share the tasks (``policy``, whole and the same on every rank, runs locally)."""
+             world: World | None = None, tasks: list | None = None) -> dict:
+    """Success rate and mean reward on ``tasks`` (default: the first ``eval.tasks`` held-out
+    tasks), one rollout each at ``eval.temperature`` with the training rollout limits;
+    ``world``: the ranks share the tasks (``policy``, whole and the same on every rank, runs
+    locally)."""
     rollout = dataclasses.replace(
         config.train.rollout, samples_per_task=1, schedule="lockstep",
         sampling=dataclasses.replace(config.train.rollout.sampling,
                                      temperature=config.eval.temperature))
     engine = RolloutEngine(TorchGenerator(policy, pad_id=chat.tokenizer.pad_token_id or 0),
                            chat, environment, rollout)
-    tasks = environment.tasks("eval")[:config.eval.tasks]
+    if tasks is None:
+        tasks = environment.tasks("eval")[:config.eval.tasks]
     if world is None:
         return rollout_metrics(engine.run(tasks, seed=seed))
     mine = engine.run(world.tasks(tasks), seed=seed)
     return rollout_metrics(world.in_task_order(world.all_gather(mine), len(tasks), 1))
+
+
+def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: list, *,
+               log: Callable[[dict], None] | None = None) -> tuple[list[float], list[dict]]:
+    """Supervised warm-start of ``policy`` on ``demos`` (:func:`expert_demonstrations`) as
+    ``config.warmstart`` says; returns the loss of each step and the validation checks
+    (``{"sft_step", "check_success", "check_reward"}``), each also passed to ``log``. It ends
+    after ``warmstart.steps`` steps, or at the first check whose greedy success on the last
+    ``warmstart.check_tasks`` held-out tasks (never among the final evaluation's first
+    ``eval.tasks``: :func:`~agentrl_fast.config.validate`) reaches
+    ``warmstart.target_success``."""
+    w = config.warmstart
+    checks: list[dict] = []
+    validation = environment.tasks("eval")[-w.check_tasks:]
+
+    def reached(step: int, losses: list[float]) -> bool:
+        if w.target_success is None or step % w.check_every:
+            return False
+        result = evaluate(policy, chat, environment, config, seed=config.seed, tasks=validation)
+        checks.append({"sft_step": step, "check_success": result["success"],
+                       "check_reward": result["reward"]})
+        if log is not None:
+            log(checks[-1])
+        return result["success"] >= w.target_success
+
+    losses = sft(policy, [s for d in demos for s in d.sub_traces], steps=w.steps, lr=w.lr,
+                 batch_sequences=w.batch_sequences, seed=config.seed, stop=reached, log=log)
+    return losses, checks
 
 
 class _Outputs:
@@ -208,14 +238,13 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
                                 checkpoint_every=config.train.checkpoint_every or 5)
     if not resuming:
         if demos:
-            sub_traces = [s for d in demos for s in d.sub_traces]
-            losses = sft(policy, sub_traces, steps=config.warmstart.steps, lr=config.warmstart.lr,
-                         batch_sequences=config.warmstart.batch_sequences, seed=config.seed,
-                         stop_loss=config.warmstart.stop_loss,
-                         log=(lambda m: outputs.write("warmstart", m["sft_step"], m)) if main
-                         else None)
+            losses, checks = warm_start(
+                config, policy, chat, environment, demos,
+                log=(lambda m: outputs.write("warmstart", m["sft_step"], m)) if main else None)
+            reached = (f", validation success {checks[-1]['check_success']:.2f} at the last "
+                       "check" if checks else "")
             print_fn(f"warm-start: {len(demos)} expert rollouts, {len(losses)} steps, "
-                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{reached}")
         if world is not None:
             world.broadcast_parameters(policy)
         before = evaluate(policy, chat, environment, config, seed=config.seed, world=world)

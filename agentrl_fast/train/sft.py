@@ -34,18 +34,15 @@ def demonstrations(policy_text: Callable[[str], str], chat_format: ChatFormat,
 def sft(policy: torch.nn.Module, sub_traces: Sequence[SubTrace], *, steps: int,
         lr: float = 3e-3, batch_sequences: int = 16, micro_batch_tokens: int = 4096,
         weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0,
-        stop_loss: float | None = None, stop_window: int = 20,
+        stop: Callable[[int, list[float]], bool] | None = None,
         log: Callable[[dict], None] | None = None) -> list[float]:
     """Up to ``steps`` AdamW steps of token-mean negative log-likelihood of the action tokens of
     ``sub_traces`` (batches of ``batch_sequences`` sub-traces drawn in a seeded order, packed
-    under ``micro_batch_tokens``); returns the loss of each step run. With ``stop_loss``, stops
-    once the mean loss of the last ``stop_window`` steps is below it."""
+    under ``micro_batch_tokens``; linear warm-up over the first tenth, then constant); returns
+    the loss of each step run. ``stop(steps_run, losses)``, called after every step, ends the
+    warm-start early by returning True (e.g. once the policy solves enough validation tasks)."""
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
-    if stop_loss is not None and not stop_loss > 0:
-        raise ValueError(f"stop_loss must be > 0 or None, got {stop_loss!r}")
-    if not isinstance(stop_window, int) or stop_window < 1:
-        raise ValueError(f"stop_window must be an int >= 1, got {stop_window!r}")
     if not sub_traces and steps:
         raise ValueError("sft needs at least one sub-trace with action tokens")
     use_packed_attention(policy)
@@ -80,7 +77,6 @@ def sft(policy: torch.nn.Module, sub_traces: Sequence[SubTrace], *, steps: int,
         losses.append(total)
         if log is not None:
             log({"sft_step": step + 1, "sft_loss": total})
-        if stop_loss is not None and len(losses) >= stop_window \
-                and sum(losses[-stop_window:]) / stop_window < stop_loss:
+        if stop is not None and stop(step + 1, losses):
             break
     return losses
