@@ -2,9 +2,10 @@
 RL stage of ``agentrl-fast train`` under configuration variants, all from one warm-start.
 
 The warm-start is the default run's (``warmstart`` section of the config: expert demonstrations
-through the real engine, then supervised steps; ``--demos`` / ``--warmstart-steps`` override
-it), done once (``--save-warm FILE`` keeps its weights, ``--load-warm FILE`` starts from them).
-``--set field=value`` changes the base config of everything (environment, warm-start, RL). Then, for each ``--variant`` (``--set``-style overrides, comma-separated, e.g.
+through the real engine, then supervised steps up to its validation target; ``--demos`` /
+``--warmstart-steps`` (the most steps) override it), done once (``--save-warm FILE`` keeps its
+weights, ``--load-warm FILE`` starts from them). ``--set field=value`` changes the base config
+of everything (environment, warm-start, RL). Then, for each ``--variant`` (``--set``-style overrides, comma-separated, e.g.
 ``train.policy_lr=3e-4,train.lam=1.0``; the empty variant is the default), a copy of the
 warm-started policy trains for ``--steps`` steps and is evaluated greedily on the first
 ``--eval-tasks`` held-out tasks every ``--eval-every`` steps. Before RL, ``--pass-k`` samples
@@ -91,21 +92,22 @@ def main(argv=None) -> int:
 
     environment, chat, policy = build(base)
     start = time.perf_counter()
+    sft_steps = None  # unknown for a loaded warm-start
     if args.load_warm:
         policy.load_state_dict(torch.load(args.load_warm))
     else:
         demos = expert_demonstrations(base, chat, environment)
-        warm_start(base, policy, chat, environment, demos)
+        sft_steps = len(warm_start(base, policy, chat, environment, demos)[0])
     if args.save_warm:
         torch.save(policy.state_dict(), args.save_warm)
     warm = evaluate(policy, chat, environment, base, seed=base.seed)
     explore = pass_at_k(policy, chat, environment, base, args.pass_k, min(args.eval_tasks, 50),
                         seed=base.seed) if args.pass_k else {}
-    head = {"kind": "warmstart", "demos": base.warmstart.demos, "steps": base.warmstart.steps,
+    head = {"kind": "warmstart", "demos": base.warmstart.demos, "steps": sft_steps,
             "seconds": time.perf_counter() - start, "success": warm["success"],
             "reward": warm["reward"], **explore}
     record(head)
-    print(f"warm-start ({base.warmstart.demos} demos, {base.warmstart.steps} steps, "
+    print(f"warm-start ({base.warmstart.demos} demos, {sft_steps or 'loaded'} steps, "
           f"{head['seconds']:.0f} s): eval success {warm['success']:.3f}, reward "
           f"{warm['reward']:.3f}; " + ", ".join(f"{k} {v:.2f}" for k, v in explore.items()),
           flush=True)
