@@ -107,7 +107,7 @@ def main(argv=None) -> int:
             "seconds": time.perf_counter() - start, "success": warm["success"],
             "reward": warm["reward"], **explore}
     record(head)
-    print(f"warm-start ({base.warmstart.demos} demos, {sft_steps or 'loaded'} steps, "
+    print(f"warm-start ({base.warmstart.demos} demos, {'loaded' if sft_steps is None else sft_steps} steps, "
           f"{head['seconds']:.0f} s): eval success {warm['success']:.3f}, reward "
           f"{warm['reward']:.3f}; " + ", ".join(f"{k} {v:.2f}" for k, v in explore.items()),
           flush=True)
