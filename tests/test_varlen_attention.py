@@ -6,7 +6,8 @@ float64 reference may be at most 2x (forward) / 3x (backward) the error of the s
 PyTorch in the input dtype (``attention_in_dtype``), plus a tiny absolute floor, so they scale with
 the dtype instead of being magic numbers.
 
-The ``reference`` backend runs on the CPU (every test here runs it); the ``torch`` and
+The CPU backends (``reference``, and ``cpu_flash``: torch's fused CPU kernel on length-bucketed
+padded batches, the CPU default) run everywhere; the ``torch`` and
 ``flash_attn`` backends run on CUDA only, so their tests are marked ``gpu`` (and the flash_attn
 ones skip when flash-attn is not installed). Bad inputs and ``validate=False`` with garbage
 ``cu_seqlens`` are in ``test_varlen_attention_errors.py``.
@@ -165,7 +166,9 @@ def cuda_backend(name):
 GPU_BACKENDS = [pytest.param("reference", marks=pytest.mark.gpu, id="reference-cuda"),
                 pytest.param("torch", marks=pytest.mark.gpu, id="torch-cuda"),
                 pytest.param("flash_attn", marks=pytest.mark.gpu, id="flash_attn-cuda")]
-ALL_BACKENDS = [pytest.param("reference", id="reference-cpu"), *GPU_BACKENDS]
+CPU_BACKENDS = ["reference", "cpu_flash"]
+ALL_BACKENDS = [pytest.param("reference", id="reference-cpu"),
+                pytest.param("cpu_flash", id="cpu_flash-cpu"), *GPU_BACKENDS]
 
 
 def setup_backend(backend, request) -> str:
@@ -207,9 +210,10 @@ def check_grid_case(case, backend):
     run_and_compare(q, k, v, cu, max_seqlen, causal=causal, backend=backend)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("case", REFERENCE_GRID, ids=_grid_id)
-def test_reference_backend_matches_float64(case):
-    check_grid_case(case, "reference")
+def test_cpu_backend_matches_float64(backend, case):
+    check_grid_case(case, backend)
 
 
 GPU_GRID = (
@@ -272,15 +276,17 @@ def test_random_packings_match_float64(data):
     causal = data.draw(st.booleans(), label="causal")
     scale = data.draw(st.sampled_from([None, 0.05, 1.0]), label="softmax_scale")
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    backend = data.draw(st.sampled_from(CPU_BACKENDS), label="backend")
     q, k, v, cu, max_seqlen = make_inputs(lengths, hq, hk, head_dim, dtype, seed=seed)
-    run_and_compare(q, k, v, cu, max_seqlen, causal=causal, backend="reference",
+    run_and_compare(q, k, v, cu, max_seqlen, causal=causal, backend=backend,
                     softmax_scale=scale, seed=seed)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("softmax_scale", [0.3, 1, 0.0])
-def test_softmax_scale(softmax_scale):
+def test_softmax_scale(softmax_scale, backend):
     q, k, v, cu, max_seqlen = make_inputs([9, 0, 30], 4, 2, 16, torch.float32, seed=6)
-    run_and_compare(q, k, v, cu, max_seqlen, causal=True, backend="reference",
+    run_and_compare(q, k, v, cu, max_seqlen, causal=True, backend=backend,
                     softmax_scale=softmax_scale)
 
 
@@ -347,7 +353,7 @@ def test_causal_no_leak_from_later_tokens(backend, request):
 
 
 # ---------------------------------------------------------------------------------------------
-# The reference backend's kernels write every element of preallocated (poisoned) outputs.
+# The CPU backends' kernels write every element of preallocated (poisoned) outputs.
 
 def check_kernels_overwrite_poisoned_outputs(backend_name, dtype, causal):
     """A backend's forward/backward called directly on NaN-filled out, lse, dq, dk, dv: every
@@ -379,23 +385,26 @@ def check_kernels_overwrite_poisoned_outputs(backend_name, dtype, causal):
     return q, k, v, cu, max_seqlen, dout, out, lse, dq, dk, dv
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [True, False])
-def test_reference_kernels_overwrite_poisoned_outputs(dtype, causal):
+def test_cpu_kernels_overwrite_poisoned_outputs(dtype, causal, backend):
     q, k, v, cu, max_seqlen, dout, out, lse, dq, dk, dv = check_kernels_overwrite_poisoned_outputs(
-        "reference", dtype, causal)
+        backend, dtype, causal)
     # the public function runs these very kernels: same bits
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    public_out, public_lse = varlen_attention(*leaves, cu, max_seqlen, causal=causal, return_lse=True)
+    public_out, public_lse = varlen_attention(*leaves, cu, max_seqlen, causal=causal, return_lse=True,
+                                              backend=backend)
     assert torch.equal(public_out, out) and torch.equal(public_lse, lse)
     for got, want in zip(torch.autograd.grad(public_out, leaves, dout), (dq, dk, dv)):
         assert torch.equal(got, want)
 
 
-def test_reference_kernels_zero_tokens_outside_every_sequence():
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_cpu_kernels_zero_tokens_outside_every_sequence(name):
     """With unvalidated cu_seqlens that cover only part of the tokens, the rest are written too
     (zeros), never left as whatever the buffer held."""
-    backend = BACKENDS["reference"]
+    backend = BACKENDS[name]
     q, k, v, _, _ = make_inputs([10], 2, 1, 8, torch.float32, seed=13, requires_grad=False)
     cu = torch.tensor([0, 3, 6], dtype=torch.int32)
     out, lse = torch.full_like(q, math.nan), torch.full((2, 10), math.nan)
@@ -430,6 +439,7 @@ def test_lse_values(backend, causal, request):
 
 @pytest.mark.parametrize("backend", [
     pytest.param("reference", id="reference-cpu"),
+    pytest.param("cpu_flash", id="cpu_flash-cpu"),
     GPU_BACKENDS[0],
     pytest.param("torch", marks=[pytest.mark.gpu], id="torch-cuda"),
     GPU_BACKENDS[2],
@@ -458,15 +468,45 @@ def test_lse_is_not_differentiable(backend, request):
 # ---------------------------------------------------------------------------------------------
 # Backends and dispatch.
 
-def test_auto_resolves_to_reference_on_cpu(monkeypatch):
+def test_auto_resolves_to_cpu_flash_on_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert "reference" in available_backends("cpu")
-    assert "reference" in available_backends(torch.device("cpu"))
+    assert {"reference", "cpu_flash"} <= set(available_backends("cpu"))
+    assert {"reference", "cpu_flash"} <= set(available_backends(torch.device("cpu")))
     assert "torch" not in available_backends("cpu") and "flash_attn" not in available_backends("cpu")
-    assert resolve_backend("auto", torch.device("cpu")) == "reference"
+    assert resolve_backend("auto", torch.device("cpu")) == "cpu_flash"
     q, k, v, cu, max_seqlen = make_inputs([4, 9], 2, 1, 16, torch.float32, seed=17, requires_grad=False)
     assert torch.equal(varlen_attention(q, k, v, cu, max_seqlen),
-                       varlen_attention(q, k, v, cu, max_seqlen, backend="reference"))
+                       varlen_attention(q, k, v, cu, max_seqlen, backend="cpu_flash"))
+
+
+@pytest.mark.gpu
+def test_cpu_flash_rejected_on_cuda():
+    q, k, v, cu, max_seqlen = make_inputs([4, 9], 2, 1, 16, torch.bfloat16, seed=18, device="cuda",
+                                          requires_grad=False)
+    with pytest.raises(ValueError, match="backend 'cpu_flash' is not available on cuda"):
+        varlen_attention(q, k, v, cu, max_seqlen, backend="cpu_flash")
+
+
+@pytest.mark.parametrize("lengths", [[0, 1, 7, 113, 0, 203, 0], [600, 1, 1, 1, 599, 2, 300, 0],
+                                     [5] * 40, [1], [0, 0], []])
+def test_cpu_flash_buckets_cover_every_token_once(lengths):
+    """Every token of every sequence sits in exactly one padded position; a bucket's padding
+    stays within CPU_FLASH_PADDING of its real tokens; empty sequences are left out."""
+    from agentrl_fast.ops.varlen_attention import CPU_FLASH_PADDING, _cpu_flash_buckets
+    num_tokens, cu = sum(lengths), cu_seqlens_of(lengths)
+    seen = []
+    for index, valid in _cpu_flash_buckets(cu, num_tokens, torch.device("cpu")):
+        assert index.shape == valid.shape and valid[:, 0].all()  # no empty row
+        assert (index[~valid] == num_tokens).all()
+        assert index.numel() <= CPU_FLASH_PADDING * valid.sum() or index.shape[0] == 1
+        rows = index.masked_fill(~valid, -1).tolist()
+        for row in rows:  # each row is one sequence, in order
+            row = [t for t in row if t >= 0]
+            assert row == list(range(row[0], row[0] + len(row)))
+            assert any(a == row[0] and b == row[0] + len(row)
+                       for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()))
+        seen += index[valid].tolist()
+    assert sorted(seen) == list(range(num_tokens))
 
 
 @pytest.mark.parametrize("name,reason", [("torch", "CUDA"), ("flash_attn", "")])
@@ -580,19 +620,21 @@ def test_torch_compile_fullgraph_forward_and_backward():
     torch._dynamo.reset()
 
 
-def test_opcheck_forward():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_opcheck_forward(backend):
     """torch.library.opcheck on the forward op: schema, autograd registration, fake tensor, AOT
     dispatch (static and dynamic shapes), which traces the backward op too."""
     q, k, v, cu, max_seqlen = make_inputs([3, 0, 5, 1], 4, 2, 8, torch.float32, seed=23)
-    args = (q, k, v, cu, max_seqlen, True, 8 ** -0.5, False, "reference")
+    args = (q, k, v, cu, max_seqlen, True, 8 ** -0.5, False, backend)
     torch.library.opcheck(torch.ops.agentrl_fast.varlen_attention_forward.default, args)
 
 
-def test_opcheck_backward_and_validate():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_opcheck_backward_and_validate(backend):
     q, k, v, cu, max_seqlen = make_inputs([3, 0, 5, 1], 4, 2, 8, torch.float32, seed=24,
                                           requires_grad=False)
     out, lse = torch.ops.agentrl_fast.varlen_attention_forward(q, k, v, cu, max_seqlen, False,
-                                                               0.3, False, "reference")
-    args = (torch.randn_like(out), q, k, v, out, lse, cu, max_seqlen, False, 0.3, False, "reference")
+                                                               0.3, False, backend)
+    args = (torch.randn_like(out), q, k, v, out, lse, cu, max_seqlen, False, 0.3, False, backend)
     torch.library.opcheck(torch.ops.agentrl_fast.varlen_attention_backward.default, args)
     torch.library.opcheck(torch.ops.agentrl_fast.validate_cu_seqlens.default, (cu, 9, max_seqlen))

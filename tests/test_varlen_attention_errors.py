@@ -45,13 +45,14 @@ PRELUDE = textwrap.dedent("""
         assert all(x.grad.shape == x.shape for x in leaves)
 
     def kernels_directly(cu_seqlens):
-        '''The reference backend's forward and backward, into preallocated outputs.'''
-        backend = BACKENDS["reference"]
-        out, lse = torch.empty_like(q), torch.empty(Hq, T)
-        backend.forward(q, k, v, cu_seqlens, 4, True, 0.5, False, out, lse)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        backend.backward(torch.ones_like(q), q, k, v, out, lse, cu_seqlens, 4, True, 0.5, False,
-                         dq, dk, dv)
+        '''The CPU backends' forward and backward, into preallocated outputs.'''
+        for name in ("reference", "cpu_flash"):
+            backend = BACKENDS[name]
+            out, lse = torch.empty_like(q), torch.empty(Hq, T)
+            backend.forward(q, k, v, cu_seqlens, 4, True, 0.5, False, out, lse)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            backend.backward(torch.ones_like(q), q, k, v, out, lse, cu_seqlens, 4, True, 0.5,
+                             False, dq, dk, dv)
 """)
 
 # name -> (expected exception type name, message fragment, statement). "NoError" means the
@@ -147,7 +148,7 @@ CASES = {
     "max_seqlen_negative_unvalidated": ("ValueError", "max_seqlen must be >= 0, got -5",
                                         "attn(max_seqlen=-5, validate=False)"),
     # backend
-    "backend_unknown": ("ValueError", "backend must be 'auto' or one of ['flash_attn', 'reference', 'torch', 'triton'], got 'flash'",
+    "backend_unknown": ("ValueError", "backend must be 'auto' or one of ['cpu_flash', 'flash_attn', 'reference', 'torch', 'triton'], got 'flash'",
                         "attn(backend='flash')"),
     "backend_empty": ("ValueError", "backend must be 'auto' or one of", "attn(backend='')"),
     "backend_torch_on_cpu": ("ValueError", "backend 'torch' is not available on cpu: ", "attn(backend='torch')"),

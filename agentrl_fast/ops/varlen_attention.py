@@ -4,14 +4,16 @@ trajectories").
 ``varlen_attention(q[T, Hq, D], k[T, Hk, D], v[T, Hk, D], cu_seqlens, max_seqlen)``: each of the B
 sequences laid end to end attends only to itself. Several backends compute it:
 
-- ``"reference"``: per-sequence scaled-dot-product attention in float32 (the CPU path); its
+- ``"reference"``: per-sequence scaled-dot-product attention in float32 (any device); its
   forward and backward run inside the registered op ``agentrl_fast::varlen_attention_forward`` /
   ``_backward``.
+- ``"cpu_flash"``: torch's fused CPU flash-attention kernel on padded batches of sequences of
+  similar length (the CPU default; the same registered ops).
 - ``"torch"``: torch's own varlen attention (``torch.nn.attention.varlen``, CUDA).
 - ``"flash_attn"``: flash-attn's ``flash_attn_varlen_func`` when installed (CUDA).
 - ``"triton"``: our Triton kernel, registered by ``agentrl_fast.ops.varlen_attention_triton``.
 
-Backends of kind ``"op"`` (reference, triton) provide ``forward``/``backward`` functions that write
+Backends of kind ``"op"`` (reference, cpu_flash, triton) provide ``forward``/``backward`` functions that write
 into preallocated outputs and run inside our registered ops; backends of kind ``"autograd"``
 (torch, flash_attn) are differentiable functions called directly (they are registered ops of
 their own libraries, so ``torch.compile`` traces them too).
@@ -61,7 +63,8 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {}
 # "auto" takes the first available, per device type.
-AUTO_ORDER = {"cuda": ("triton", "flash_attn", "torch", "reference"), "cpu": ("reference",)}
+AUTO_ORDER = {"cuda": ("triton", "flash_attn", "torch", "reference"),
+              "cpu": ("cpu_flash", "reference")}
 
 
 def register_backend(backend: Backend) -> None:
@@ -191,6 +194,115 @@ def _reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal,
 
 register_backend(Backend("reference", "op", lambda device: None, forward=_reference_forward,
                          backward=_reference_backward))
+
+
+# ---------------------------------------------------------------------------------------------
+# The "cpu_flash" backend: torch's fused CPU flash-attention kernel (the one behind
+# scaled_dot_product_attention on the CPU) over padded batches of sequences of similar length.
+
+# A bucket's padded tokens are at most this many times its real tokens (sequences are bucketed
+# longest first; a new bucket starts where the next one would break the bound).
+CPU_FLASH_PADDING = 1.5
+
+
+def _cpu_flash_ops():
+    aten = torch.ops.aten
+    if not (hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu")
+            and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward")):
+        return None
+    return (aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
+
+def _cpu_flash_unavailable(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return "it runs on the CPU only"
+    if _cpu_flash_ops() is None:
+        return f"torch {torch.__version__} has no CPU flash-attention kernel"
+    return None
+
+
+def _cpu_flash_buckets(cu_seqlens: torch.Tensor, num_tokens: int, device: torch.device):
+    """Per bucket ``(index[G, L], valid[G, L])``: the packed token of each padded position
+    (``num_tokens``, a zero row, where padded) and which positions are real. Empty sequences
+    are in no bucket."""
+    bounds = [(a, b) for a, b in _sequence_bounds(cu_seqlens, num_tokens) if b > a]
+    bounds.sort(key=lambda ab: ab[0] - ab[1])  # longest first (stable: packed order on ties)
+    buckets, current, real = [], [], 0
+    for start, end in bounds:
+        length = end - start
+        if current and (len(current) + 1) * (current[0][1] - current[0][0]) \
+                > CPU_FLASH_PADDING * (real + length):
+            buckets.append(current)
+            current, real = [], 0
+        current.append((start, end))
+        real += length
+    if current:
+        buckets.append(current)
+    out = []
+    for bucket in buckets:
+        width = bucket[0][1] - bucket[0][0]
+        starts = torch.tensor([a for a, _ in bucket], device=device)
+        lengths = torch.tensor([b - a for a, b in bucket], device=device)
+        position = torch.arange(width, device=device)
+        valid = position[None, :] < lengths[:, None]
+        out.append((torch.where(valid, starts[:, None] + position[None, :], num_tokens), valid))
+    return out
+
+
+def _padded(x: torch.Tensor, index: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """``x[T, H, ...]`` gathered to ``[G, H, L, ...]`` by ``index[G, L]`` (T: ``fill``)."""
+    extended = torch.cat([x, x.new_full((1, *x.shape[1:]), fill)])
+    return extended[index].transpose(1, 2)
+
+
+def _key_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive ``[G, 1, 1, L]`` mask hiding padded keys (non-causal attention)."""
+    return torch.zeros(valid.shape[0], 1, 1, valid.shape[1], dtype=dtype,
+                       device=valid.device).masked_fill_(~valid[:, None, None, :], -math.inf)
+
+
+def _cpu_flash_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic, out, lse):
+    if scale == 0.0:  # torch's kernel returns NaN for a zero scale (uniform attention)
+        return _reference_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic,
+                                  out, lse)
+    forward, _ = _cpu_flash_ops()
+    out.zero_()  # tokens outside every sequence (only with unvalidated cu_seqlens)
+    lse.fill_(-math.inf)
+    for index, valid in _cpu_flash_buckets(cu_seqlens, q.shape[0], q.device):
+        mask = None if causal else _key_mask(valid, q.dtype)
+        # Causal with right padding is exact: a real query never sees a later (padded) key.
+        bucket_out, bucket_lse = forward(_padded(q, index), _padded(k, index), _padded(v, index),
+                                         0.0, causal, attn_mask=mask, scale=scale)
+        tokens = index[valid]
+        out[tokens] = bucket_out.transpose(1, 2)[valid].to(out.dtype)
+        lse[:, tokens] = bucket_lse.transpose(1, 2)[valid].transpose(0, 1).float()
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale,
+                        deterministic, dq, dk, dv):
+    if scale == 0.0:
+        return _reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale,
+                                   deterministic, dq, dk, dv)
+    _, backward = _cpu_flash_ops()
+    for grad in (dq, dk, dv):
+        grad.zero_()
+    lse_tokens = lse.transpose(0, 1)  # [T, Hq]
+    for index, valid in _cpu_flash_buckets(cu_seqlens, q.shape[0], q.device):
+        mask = None if causal else _key_mask(valid, q.dtype)
+        # Padded query rows are zero with a zero upstream gradient: they add nothing (their
+        # probabilities exp(0 - 0) are finite), so any finite LSE fills them.
+        grads = backward(_padded(dout, index), _padded(q, index), _padded(k, index),
+                         _padded(v, index), _padded(out, index),
+                         _padded(lse_tokens, index).contiguous(), 0.0, causal, attn_mask=mask,
+                         scale=scale)
+        tokens = index[valid]
+        for grad, bucket_grad in zip((dq, dk, dv), grads):
+            grad[tokens] = bucket_grad.transpose(1, 2)[valid].to(grad.dtype)
+
+
+register_backend(Backend("cpu_flash", "op", _cpu_flash_unavailable, forward=_cpu_flash_forward,
+                         backward=_cpu_flash_backward))
 
 
 # ---------------------------------------------------------------------------------------------
