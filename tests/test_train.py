@@ -358,3 +358,81 @@ def test_each_step_draws_distinct_tasks_in_a_seeded_order(chat):
     assert steps == [[t.id for t in again._next_tasks()] for _ in range(6)]
     with pytest.raises(ValueError, match="tasks_per_step \\(6\\) exceeds the 5 train tasks"):
         Trainer(policy_for(chat), chat, env, train_config(tasks_per_step=6))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic sampling (filter_groups).
+
+class HalfConstantVaultEnvironment(ParityVaultEnvironment):
+    """Parity reward on tasks whose id ends in an even digit; a constant 1 on the others, so
+    their groups never vary."""
+
+    def start(self, task, memory, seed):
+        episode = super().start(task, memory, seed)
+        if int(task.id[-1]) % 2 == 1:
+            finish = episode.finish
+
+            def constant_finish(answer):
+                finish(answer)
+                episode.reward = 1.0
+                return episode.reward
+            episode.finish = constant_finish
+        return episode
+
+
+def test_filter_groups_trains_on_varying_groups_only(chat):
+    config = train_config(steps=1, tasks_per_step=3, filter_groups=True, max_rollout_rounds=4,
+                          kl_coef=0.0)
+    trainer = Trainer(policy_for(chat), chat, HalfConstantVaultEnvironment(), config)
+    every, kept, rounds = trainer._collect()
+    assert 1 <= rounds <= 4 and len(every) == rounds * 3 * 3  # rounds x tasks x samples
+    groups = {}
+    for t in every:
+        groups.setdefault(t.task_id, []).append(t)
+    varying = [task for task, g in groups.items() if len({t.reward for t in g}) > 1]
+    kept_tasks = list(dict.fromkeys(t.task_id for t in kept))
+    assert kept_tasks == varying[:3]  # the first varying groups, in rollout order, whole
+    assert all(len([t for t in kept if t.task_id == task]) == 3 for task in kept_tasks)
+    assert all(int(task[-1]) % 2 == 0 for task in kept_tasks)
+    assert rounds == 4 or len(kept_tasks) == 3  # it stops as soon as the batch is full
+    policy_before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    metrics = trainer.step()
+    assert 1 <= metrics["rollout_rounds"] <= 4 and 0 < metrics["kept_groups"] <= 3
+    assert "policy_loss" in metrics
+    assert any(not torch.equal(v, policy_before[k]) for k, v in trainer.policy.state_dict().items())
+
+
+class ConstantVaultEnvironment(VaultEnvironment):
+    def start(self, task, memory, seed):
+        episode = super().start(task, memory, seed)
+        finish = episode.finish
+
+        def constant_finish(answer):
+            finish(answer)
+            episode.reward = 0.5
+            return episode.reward
+        episode.finish = constant_finish
+        return episode
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_filter_groups_without_a_varying_group_skips_the_update(chat, algo):
+    config = train_config(steps=1, tasks_per_step=2, filter_groups=True, max_rollout_rounds=2,
+                          kl_coef=0.0, algo=algo)
+    trainer = Trainer(policy_for(chat), chat, ConstantVaultEnvironment(), config)
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    metrics = trainer.step()
+    assert metrics["rollout_rounds"] == 2 and metrics["kept_groups"] == 0
+    assert metrics["reward"] == 0.5 and "policy_loss" not in metrics
+    assert all(torch.equal(v, before[k]) for k, v in trainer.policy.state_dict().items())
+    assert trainer.step_index == 1 and trainer.data_position == 4  # both rounds drew new tasks
+
+
+def test_filter_groups_config_errors():
+    with pytest.raises(ValueError, match="filter_groups needs rollout.samples_per_task >= 2"):
+        train_config(filter_groups=True, rollout=RolloutConfig(samples_per_task=1,
+                                                               context_budget=240))
+    with pytest.raises(ValueError, match="max_rollout_rounds=3 needs filter_groups"):
+        train_config(max_rollout_rounds=3)
+    with pytest.raises(ValueError, match="max_rollout_rounds must be an int >= 1"):
+        train_config(filter_groups=True, max_rollout_rounds=0)

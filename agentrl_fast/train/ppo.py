@@ -86,6 +86,10 @@ class TrainConfig:
     critic_warmup_steps: int = 0
     critic_epochs: int = 1
     grpo_normalize_std: bool = True
+    # Dynamic sampling (DAPO): train only on task groups whose rollouts' rewards differ, rolling
+    # out up to max_rollout_rounds batches of tasks_per_step tasks to find tasks_per_step of them.
+    filter_groups: bool = False
+    max_rollout_rounds: int = 1
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int | None = 3
@@ -102,7 +106,7 @@ class TrainConfig:
         if self.kl_mode not in KL_MODES:
             raise ValueError(f"kl_mode must be one of {', '.join(KL_MODES)}, got {self.kl_mode!r}")
         for name in ("steps", "tasks_per_step", "micro_batch_tokens", "mini_batches", "epochs",
-                     "critic_epochs", "kl_horizon"):
+                     "critic_epochs", "kl_horizon", "max_rollout_rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -128,6 +132,12 @@ class TrainConfig:
         if self.algo == "grpo" and self.kl_mode == "reward" and self.kl_coef > 0:
             raise ValueError("kl_mode='reward' needs algo='ppo': GRPO's advantages come from "
                              "outcome rewards only; use kl_mode='loss'")
+        if self.filter_groups and self.rollout.samples_per_task < 2:
+            raise ValueError("filter_groups needs rollout.samples_per_task >= 2 (a group of one "
+                             f"rollout never varies), got {self.rollout.samples_per_task}")
+        if self.max_rollout_rounds > 1 and not self.filter_groups:
+            raise ValueError(f"max_rollout_rounds={self.max_rollout_rounds} needs filter_groups "
+                             "(without it one round fills the batch)")
         if self.algo == "grpo" and self.critic_warmup_steps:
             raise ValueError("critic_warmup_steps needs algo='ppo' (GRPO has no critic)")
 
@@ -358,23 +368,45 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def step(self) -> dict[str, float]:
-        config, start = self.config, time.perf_counter()
+    def _rollouts(self, round_index: int) -> list[Trajectory]:
+        """One batch of rollouts: ``tasks_per_step`` new tasks x ``samples_per_task``, in task
+        order (under torchrun each rank runs its share and every rank gets the whole batch)."""
+        config = self.config
         tasks = self._next_tasks()
-        self.policy.eval()
-        self.rollout_policy.eval()
-        seed = derive_seed(config.seed, "step", self.step_index)
+        seed = derive_seed(config.seed, "step", self.step_index, *((round_index,) if round_index
+                                                                   else ()))
         if self.world is None:
-            trajectories = self.engine.run(tasks, seed=seed)
-        else:  # each rank its share of the tasks, then every rank the global batch
-            mine = self.engine.run(self.world.tasks(tasks), seed=seed)
-            trajectories = self.world.in_task_order(self.world.all_gather(mine), len(tasks),
-                                                    config.rollout.samples_per_task)
-        rollout_seconds = time.perf_counter() - start
-        sub_traces = [s for t in trajectories for s in t.sub_traces]
+            return self.engine.run(tasks, seed=seed)
+        mine = self.engine.run(self.world.tasks(tasks), seed=seed)
+        return self.world.in_task_order(self.world.all_gather(mine), len(tasks),
+                                        config.rollout.samples_per_task)
+
+    def _collect(self) -> tuple[list[Trajectory], list[Trajectory], int]:
+        """``(all rollouts of the step, those trained on, rounds)``. Without ``filter_groups``
+        one round, all trained on; with it, rounds until ``tasks_per_step`` groups whose rewards
+        differ are found (or ``max_rollout_rounds``), the first ``tasks_per_step`` kept."""
+        config = self.config
+        if not config.filter_groups:
+            batch = self._rollouts(0)
+            return batch, batch, 1
+        every, kept = [], []
+        for round_index in range(config.max_rollout_rounds):
+            batch = self._rollouts(round_index)
+            every += batch
+            groups: dict[Any, list[Trajectory]] = {}
+            for t in batch:
+                groups.setdefault(t.task_id, []).append(t)
+            kept += [g for g in groups.values() if len({t.reward for t in g}) > 1]
+            if len(kept) >= config.tasks_per_step:
+                break
+        return every, [t for g in kept[:config.tasks_per_step] for t in g], round_index + 1
+
+    def _learn(self, trajectories: list[Trajectory], sub_traces: list[SubTrace]
+               ) -> dict[str, float]:
+        """Score, advantages, update and KL control on one batch of whole rollouts."""
+        config, metrics = self.config, {}
         rollout_index = rollout_index_map(sub_traces)
         old, ref, values, last = self._score(sub_traces, rollout_index)
-        metrics = dict(rollout_metrics(trajectories))
         if self.world is not None:
             metrics.update(self._rank_tokens(sub_traces))
         metrics.update(self._mismatch(sub_traces, old))
@@ -400,10 +432,28 @@ class Trainer:
                                     returns))
         if self.step_index >= config.critic_warmup_steps:  # the policy moved
             self._control_kl(metrics.get("kl_ref"), episodes=len(trajectories))
+        return metrics
+
+    def step(self) -> dict[str, float]:
+        config, start = self.config, time.perf_counter()
+        self.policy.eval()
+        self.rollout_policy.eval()
+        every, trajectories, rounds = self._collect()
+        rollout_seconds = time.perf_counter() - start
+        metrics = dict(rollout_metrics(every))
+        if config.filter_groups:
+            metrics.update(rollout_rounds=rounds, kept_groups=len(trajectories)
+                           // config.rollout.samples_per_task)
+        sub_traces = [s for t in trajectories for s in t.sub_traces]
+        learned = bool(sub_traces)  # filter_groups may keep no group: nothing to learn from
+        if learned:
+            metrics.update(self._learn(trajectories, sub_traces))
         policy_lr = self.policy_scheduler.get_last_lr()[0]  # the rate this step used
-        if self.step_index >= config.critic_warmup_steps or self.value_head is not None:
-            self.policy_scheduler.step()  # its optimizer stepped (policy, or the shared head)
-        if self.critic_scheduler is not None:
+        # A schedule moves when its optimizer stepped (policy, or the shared head).
+        if learned and (self.step_index >= config.critic_warmup_steps
+                        or self.value_head is not None):
+            self.policy_scheduler.step()
+        if learned and self.critic_scheduler is not None:
             self.critic_scheduler.step()
         self.step_index += 1
         metrics.update(step=self.step_index, kl_coef=self.kl_coef,
