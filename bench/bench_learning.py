@@ -4,7 +4,8 @@ RL stage of ``agentrl-fast train`` under configuration variants, all from one wa
 The warm-start is the default run's (``warmstart`` section of the config: expert demonstrations
 through the real engine, then supervised steps up to its validation target; ``--demos`` /
 ``--warmstart-steps`` (the most steps) override it), done once (``--save-warm FILE`` keeps its
-weights, ``--load-warm FILE`` starts from them). ``--set field=value`` changes the base config
+weights, ``--load-warm FILE`` starts from them; ``--save-policies PREFIX`` keeps each variant's
+final policy). ``--set field=value`` changes the base config
 of everything (environment, warm-start, RL). Then, for each ``--variant`` (``--set``-style overrides, comma-separated, e.g.
 ``train.policy_lr=3e-4,train.lam=1.0``; the empty variant is the default), a copy of the
 warm-started policy trains for ``--steps`` steps and is evaluated greedily on the first
@@ -20,7 +21,7 @@ Usage (from the repository root; about 5 s per step and variant on 2 CPU cores):
 
     python bench/bench_learning.py [--steps 60] [--eval-every 20] [--eval-tasks 100]
         [--demos N] [--warmstart-steps N] [--pass-k 8] [--threads N] [--seed 0]  (--steps 0: SFT only)
-        [--set env.max_vaults=2] [--save-warm FILE | --load-warm FILE]
+        [--set env.max_vaults=2] [--save-warm FILE | --load-warm FILE] [--save-policies PREFIX]
         [--variant "train.policy_lr=3e-4"] [--variant ""] [--out bench/results/learning.jsonl]
 """
 
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--save-warm", default=None)
     parser.add_argument("--load-warm", default=None)
+    parser.add_argument("--save-policies", default=None, metavar="PREFIX",
+                        help="save each variant's final policy to PREFIX-<variant number>.pt")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,7 +114,8 @@ def main(argv=None) -> int:
           f"{head['seconds']:.0f} s): eval success {warm['success']:.3f}, reward "
           f"{warm['reward']:.3f}; " + ", ".join(f"{k} {v:.2f}" for k, v in explore.items()),
           flush=True)
-    for variant in (args.variant or [""]) if args.steps else []:  # --steps 0: warm-start only
+    variants = (args.variant or [""]) if args.steps else []  # --steps 0: warm-start only
+    for number, variant in enumerate(variants):
         config = apply_overrides(base, [v for v in variant.split(",") if v])
         trainer = Trainer(copy.deepcopy(policy), chat, environment,
                           dataclasses.replace(config.train, steps=args.steps),
@@ -130,6 +134,8 @@ def main(argv=None) -> int:
         print(f"{variant or '(default)':60s} eval success by step: "
               + " ".join(f"{s}:{v:.2f}" for s, v in curve)
               + f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+        if args.save_policies:
+            torch.save(trainer.policy.state_dict(), f"{args.save_policies}-{number}.pt")
     return 0
 
 
