@@ -436,3 +436,39 @@ def test_filter_groups_config_errors():
         train_config(max_rollout_rounds=3)
     with pytest.raises(ValueError, match="max_rollout_rounds must be an int >= 1"):
         train_config(filter_groups=True, max_rollout_rounds=0)
+
+
+@pytest.mark.parametrize("critic_lam", [None, 0.5])
+def test_critic_lam_decouples_the_critic_targets(chat, critic_lam):
+    """The policy's advantages use lam, the critic's value targets critic_lam (default: lam),
+    each the GAE of the same rewards and values."""
+    config = train_config(steps=1, kl_coef=0.0, lam=1.0, critic_lam=critic_lam,
+                          whiten_advantages=False, bootstrap_truncated=False)
+    trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config)
+    seen = {}
+    update = trainer._update
+
+    def capture(sub_traces, rollout_index, old, ref, values, advantages, returns):
+        seen.update(sub_traces=sub_traces, values=values, advantages=advantages, returns=returns)
+        return update(sub_traces, rollout_index, old, ref, values, advantages, returns)
+    trainer._update = capture
+    trainer.step()
+    subs, values = seen["sub_traces"], seen["values"]
+    assert any(s.end == "continued" for s in subs)  # bootstraps across sub-traces are exercised
+    zeros = torch.zeros(len(subs))  # no truncated bootstrap is read (bootstrap_truncated=False)
+    want_adv, want_ret_1 = gae_advantages(subs, values, zeros, gamma=1.0, lam=1.0,
+                                          bootstrap_truncated=False)
+    _, want_ret_half = gae_advantages(subs, values, zeros, gamma=1.0, lam=0.5,
+                                      bootstrap_truncated=False)
+    want_ret = want_ret_1 if critic_lam is None else want_ret_half
+    for got, want in zip(seen["advantages"], want_adv):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(seen["returns"], want_ret):
+        torch.testing.assert_close(got, want)
+    differs = any(not torch.allclose(a, b) for a, b in zip(want_ret_1, want_ret_half))
+    assert differs  # the two lambdas give different targets on this batch
+
+
+def test_critic_lam_range():
+    with pytest.raises(ValueError, match=r"critic_lam must be in \[0, 1\]"):
+        train_config(critic_lam=1.5)

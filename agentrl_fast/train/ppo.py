@@ -66,6 +66,10 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     gamma: float = 1.0
     lam: float = 0.95
+    # The critic's GAE lambda for its value targets (None: lam). Decoupled GAE (VC-PPO, VAPO):
+    # lam = 1 gives the policy unbiased returns over long traces while the critic still learns
+    # from lower-variance targets.
+    critic_lam: float | None = None
     bootstrap_truncated: bool = True  # False: a limit ends the episode (see train.advantages)
     whiten_advantages: bool = True
     loss_agg_mode: str | None = None  # default: token-mean (ppo), rollout-mean (grpo)
@@ -117,8 +121,8 @@ class TrainConfig:
         for name in ("policy_lr", "critic_lr", "max_grad_norm"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
+        for name in ("gamma", "lam", "critic_lam"):
+            if getattr(self, name) is not None and not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef!r}")
@@ -420,9 +424,13 @@ class Trainer:
             if config.kl_mode == "reward":
                 rewards = [r - self.kl_coef * k for r, k in zip(rewards, kl)]
         if config.algo == "ppo":
-            advantages, returns = gae_advantages(sub_traces, values, last, gamma=config.gamma,
-                                                 lam=config.lam, rewards=rewards,
-                                                 bootstrap_truncated=config.bootstrap_truncated)
+            gae_kwargs = dict(gamma=config.gamma, rewards=rewards,
+                              bootstrap_truncated=config.bootstrap_truncated)
+            advantages, returns = gae_advantages(sub_traces, values, last, lam=config.lam,
+                                                 **gae_kwargs)
+            if config.critic_lam is not None and config.critic_lam != config.lam:
+                _, returns = gae_advantages(sub_traces, values, last, lam=config.critic_lam,
+                                            **gae_kwargs)
             if config.whiten_advantages:
                 advantages = whiten_per_sub_trace(advantages, sub_traces)
         else:
