@@ -172,14 +172,14 @@ def _build(cls, data: dict, prefix: str, base=None):
 
 def default_config() -> RunConfig:
     """The embedded default (what ``agentrl-fast train`` runs with no arguments)."""
-    return RunConfig(train=TrainConfig(
-        algo="ppo", steps=40, tasks_per_step=8, micro_batch_tokens=2048, mini_batches=2,
+    return RunConfig(env=EnvConfig(min_vaults=3), train=TrainConfig(
+        algo="ppo", steps=50, tasks_per_step=8, micro_batch_tokens=2048, mini_batches=2,
         epochs=2, policy_lr=1e-4, critic_lr=3e-3, lam=0.95, gamma=1.0, kl_coef=0.0,
         entropy_coef=0.0,
         bootstrap_truncated=False,  # the vault task's limits end the episode (scored 0)
         rollout=RolloutConfig(
             samples_per_task=4, context_budget=200, max_turns=24, summary_chars=200,
-            sampling=SamplingParams(temperature=1.0, max_new_tokens=24))))
+            sampling=SamplingParams(temperature=0.7, max_new_tokens=24))))
 
 
 def to_dict(config) -> dict:

@@ -104,9 +104,9 @@ def test_config_files_and_overrides():
     grpo = load_config(ROOT / "configs" / "grpo.yaml")
     assert grpo.train.algo == "grpo" and grpo.train.loss_aggregation == "rollout-mean"
     assert grpo.train.steps == default_config().train.steps  # the same budget
-    config = apply_overrides(default_config(), ["train.rollout.sampling.temperature=0.7",
+    config = apply_overrides(default_config(), ["train.rollout.sampling.temperature=0.9",
                                                 "seed=3", "model.tokenizer=null"])
-    assert config.train.rollout.sampling.temperature == 0.7 and config.seed == 3
+    assert config.train.rollout.sampling.temperature == 0.9 and config.seed == 3
     assert isinstance(to_dict(config), dict) and isinstance(config, RunConfig)
     with pytest.raises(ConfigError, match="expected field=value"):
         apply_overrides(config, ["train.steps"])
