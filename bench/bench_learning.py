@@ -17,7 +17,7 @@ low pass@k bounds what RL can reach quickly.
 Output: one JSON line per evaluation and per step (``--out``), a table on stdout. Results and
 their reading: ``bench/results/learning.md``.
 
-Usage (from the repository root; about 5 s per step and variant on 2 CPU cores)::
+Usage (from the repository root; about 6 s per step and variant on 2 CPU cores)::
 
     python bench/bench_learning.py [--steps 60] [--eval-every 20] [--eval-tasks 100]
         [--demos N] [--warmstart-steps N] [--pass-k 8] [--threads N] [--seed 0]  (--steps 0: SFT only)
