@@ -363,21 +363,25 @@ def test_each_step_draws_distinct_tasks_in_a_seeded_order(chat):
 # ---------------------------------------------------------------------------------------------
 # Dynamic sampling (filter_groups).
 
+def fixed_reward(episode, reward):
+    """``episode``, scoring ``reward`` whatever its answer."""
+    finish = episode.finish
+
+    def fixed_finish(answer):
+        finish(answer)
+        episode.reward = reward
+        return reward
+    episode.finish = fixed_finish
+    return episode
+
+
 class HalfConstantVaultEnvironment(ParityVaultEnvironment):
     """Parity reward on tasks whose id ends in an even digit; a constant 1 on the others, so
     their groups never vary."""
 
     def start(self, task, memory, seed):
         episode = super().start(task, memory, seed)
-        if int(task.id[-1]) % 2 == 1:
-            finish = episode.finish
-
-            def constant_finish(answer):
-                finish(answer)
-                episode.reward = 1.0
-                return episode.reward
-            episode.finish = constant_finish
-        return episode
+        return fixed_reward(episode, 1.0) if int(task.id[-1]) % 2 == 1 else episode
 
 
 def test_filter_groups_trains_on_varying_groups_only(chat):
@@ -404,15 +408,7 @@ def test_filter_groups_trains_on_varying_groups_only(chat):
 
 class ConstantVaultEnvironment(VaultEnvironment):
     def start(self, task, memory, seed):
-        episode = super().start(task, memory, seed)
-        finish = episode.finish
-
-        def constant_finish(answer):
-            finish(answer)
-            episode.reward = 0.5
-            return episode.reward
-        episode.finish = constant_finish
-        return episode
+        return fixed_reward(super().start(task, memory, seed), 0.5)
 
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
