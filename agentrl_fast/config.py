@@ -180,6 +180,7 @@ def default_config() -> RunConfig:
         algo="ppo", steps=50, tasks_per_step=8, micro_batch_tokens=2048, mini_batches=2,
         epochs=2, policy_lr=1e-4, critic_lr=3e-3, lam=0.95, gamma=1.0, kl_coef=0.0,
         entropy_coef=0.0,
+        loss_agg_mode="rollout-mean",  # each episode counts once, whatever its length
         bootstrap_truncated=False,  # the vault task's limits end the episode (scored 0)
         rollout=RolloutConfig(
             samples_per_task=4, context_budget=200, max_turns=24, summary_chars=200,
