@@ -34,6 +34,7 @@ class EnvConfig:
     jam_probability: float = 0.3
     train_size: int = 10_000
     eval_size: int = 250
+    error_penalty: float = 0.0
 
 
 @dataclass
@@ -229,6 +230,8 @@ def validate(config: RunConfig) -> None:
     if config.eval.tasks > config.env.eval_size:
         raise ConfigError(f"eval.tasks ({config.eval.tasks}) exceeds env.eval_size "
                           f"({config.env.eval_size})")
+    if not 0.0 <= config.env.error_penalty <= 1.0:
+        raise ConfigError(f"env.error_penalty must be in [0, 1], got {config.env.error_penalty}")
     if config.eval.temperature < 0:
         raise ConfigError(f"eval.temperature must be >= 0, got {config.eval.temperature}")
     if config.warmstart.demos < 0 or config.warmstart.steps < 0:

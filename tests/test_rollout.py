@@ -394,3 +394,35 @@ def test_agent_memory_scope_shares_one_namespace(env, chat):
     vaults = {v for task in tasks for v in task.data["world"].vaults}
     assert set(store.namespace("agent").list()) == vaults
     assert len(trajectories) == 3
+
+
+def test_error_penalty_charges_the_agents_mistakes_on_their_turn_and_not_a_jam(chat):
+    penalty = 0.125
+    env = VaultEnvironment(error_penalty=penalty)
+    tasks = [t for t in env.tasks("train")[:40] if t.data["world"].jammed][:4]
+    assert tasks
+
+    def clumsy(context: str) -> str:  # one call of an unknown vault, then the expert
+        if context.count("<|im_start|>assistant\n") == 1 and "context was reset" not in context:
+            return ('<tool_call>\n{"name": "open_vault", "arguments": {"name": "nowhere"}}\n'
+                    '</tool_call>')
+        return expert_action(context)
+
+    settings = config(samples_per_task=1, context_budget=200, max_turns=30, summary_chars=200)
+    careful = RolloutEngine(ScriptedGenerator(expert_action, chat), chat, env, settings)
+    for t in careful.run(tasks, seed=0):  # jammed vaults are the world's doing: no charge
+        assert t.metrics["tool_exception"] > 0 and t.metrics["success"] == 1
+        assert t.reward == 1.0 and sum(sum(s.rewards) for s in t.sub_traces) == 1.0
+    engine = RolloutEngine(ScriptedGenerator(clumsy, chat), chat, env, settings)
+    for t in engine.run(tasks, seed=0):
+        assert t.metrics["success"] == 1
+        assert t.reward == pytest.approx(1.0 - penalty)
+        first = t.sub_traces[0]
+        charged = [r for s in t.sub_traces for r in s.rewards if r]
+        assert charged[0] == -penalty and charged[-1] == 1.0 and len(charged) == 2
+        # The charge sits on the mistaken turn's last action token: the first turn's `</tool_call>`.
+        position = first.rewards.index(-penalty)
+        assert first.action_mask[position] and not first.action_mask[position + 1]
+        assert '"nowhere"' in chat.decode(first.ids[:position + 1]).split("assistant\n")[-1]
+    with pytest.raises(ValueError, match=r"error_penalty must be in \[0, 1\], got -0.1"):
+        VaultEnvironment(error_penalty=-0.1)

@@ -348,6 +348,7 @@ class RolloutEngine:
             turn_reward = rollout.episode.after_tools(outcome.calls, outcome.results)
             if turn_reward:
                 sub_trace.add_reward(turn_reward)
+                rollout.trajectory.reward += turn_reward
         if len(sub_trace) > self.config.context_budget and not outcome.final:
             # The tool results do not fit: this sub-trace ends with the turn, and the results
             # reach the model through the next sub-trace's summary.

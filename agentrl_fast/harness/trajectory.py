@@ -150,7 +150,8 @@ class SubTrace:
 @dataclass
 class Trajectory:
     """A rollout: its sub-traces (in order, sharing ``rollout_id``), task and sample index, the
-    episode's reward, and counters (``metrics``: turns, tool calls and each failure kind)."""
+    episode's total reward (its per-turn rewards and the final one), and counters
+    (``metrics``: turns, tool calls and each failure kind)."""
 
     rollout_id: str
     task_id: str | None = None

@@ -92,9 +92,11 @@ class VaultEpisode:
     world: VaultWorld
     memory: MemoryNamespace
     system_prompt: str = SYSTEM_PROMPT
+    error_penalty: float = 0.0
     reward: float = 0.0
     opened: dict = field(default_factory=dict)
     submitted: dict = field(default_factory=dict)
+    jams: int = 0  # jammed openings since the last ``after_tools`` (the world's fault)
 
     def __post_init__(self):
         self.prompt = task_prompt(self.world.vaults)
@@ -112,6 +114,7 @@ class VaultEpisode:
             self.opened[name] = self.opened.get(name, 0) + 1
             jammed = name in self.world.jammed
             if jammed and self.opened[name] == 1:
+                self.jams += 1
                 raise RuntimeError(f"vault {name} is jammed; open it again")
             if self.opened[name] > 1 + jammed:  # its one showing is past
                 raise RuntimeError(f"vault {name} is empty; it showed its code once")
@@ -140,7 +143,12 @@ class VaultEpisode:
         self.tools = [open_vault, *memory_tools, submit_code]
 
     def after_tools(self, calls: Sequence[ToolCall], results: Sequence[ToolResult]) -> float:
-        return 0.0
+        """``-error_penalty`` for each failed call of the turn that was the agent's mistake
+        (anything but a jammed vault's first opening): a bad call, an unknown or emptied vault,
+        a read of a key never written, an early or repeated submission."""
+        mistakes = sum(not result.ok for result in results) - self.jams
+        self.jams = 0
+        return -self.error_penalty * mistakes
 
     def finish(self, answer: str | None) -> float:
         self.reward = score(self.submitted, self.world.vaults, self.world.codes)
@@ -158,7 +166,7 @@ class VaultEnvironment:
     name = "vault"
 
     def __init__(self, min_vaults: int = 2, max_vaults: int = 3, jam_probability: float = 0.3,
-                 train_size: int = 10_000, eval_size: int = 200):
+                 train_size: int = 10_000, eval_size: int = 200, error_penalty: float = 0.0):
         if not 1 <= min_vaults <= max_vaults <= len(VAULT_NAMES):
             raise ValueError(f"VaultEnvironment: need 1 <= min_vaults <= max_vaults <= "
                              f"{len(VAULT_NAMES)}, got {min_vaults}, {max_vaults}")
@@ -167,6 +175,10 @@ class VaultEnvironment:
                              f"got {jam_probability}")
         if train_size < 1 or eval_size < 1:
             raise ValueError("VaultEnvironment: train_size and eval_size must be >= 1")
+        if not 0.0 <= error_penalty <= 1.0:
+            raise ValueError(f"VaultEnvironment: error_penalty must be in [0, 1], "
+                             f"got {error_penalty}")
+        self.error_penalty = error_penalty
         self.min_vaults, self.max_vaults = min_vaults, max_vaults
         self.jam_probability = jam_probability
         self.train_size, self.eval_size = train_size, eval_size
@@ -203,7 +215,7 @@ class VaultEnvironment:
         return self._tasks[split]
 
     def start(self, task: Task, memory: MemoryNamespace, seed: int) -> VaultEpisode:
-        return VaultEpisode(task.data["world"], memory)
+        return VaultEpisode(task.data["world"], memory, error_penalty=self.error_penalty)
 
     def words(self) -> tuple[str, ...]:
         """Entity names the built-in tokenizer keeps whole (one id wherever they appear)."""
