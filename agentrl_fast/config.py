@@ -177,7 +177,7 @@ def default_config() -> RunConfig:
     has three vaults: the held-out split (vault lists never in the train split) is all 3-vault
     lists anyway, and RL on mixed 2-3-vault tasks learned a 2-vault shortcut there
     (``bench/results/learning.md``)."""
-    return RunConfig(env=EnvConfig(min_vaults=3, error_penalty=0.2), train=TrainConfig(
+    return RunConfig(env=EnvConfig(min_vaults=3), train=TrainConfig(
         algo="ppo", steps=50, tasks_per_step=8, micro_batch_tokens=2048, mini_batches=2,
         epochs=2, policy_lr=1e-4, critic_lr=3e-3, lam=0.95, gamma=1.0, kl_coef=0.0,
         entropy_coef=0.0,
