@@ -96,7 +96,7 @@ class VaultEpisode:
     reward: float = 0.0
     opened: dict = field(default_factory=dict)
     submitted: dict = field(default_factory=dict)
-    jams: int = 0  # jammed openings since the last ``after_tools`` (the world's fault)
+    jams: int = field(default=0, init=False)  # jammed openings since the last after_tools
 
     def __post_init__(self):
         self.prompt = task_prompt(self.world.vaults)
