@@ -421,3 +421,43 @@ def test_cuda_bf16_packed_matches_each_sequence_alone():
             baseline = (sdpa16(input_ids=ids).logits[0].float() - want).abs().max()
             error = (got.float() - want).abs().max()
             assert error <= 3 * baseline + 1e-2 * want.abs().max(), (seq.numel(), error, baseline)
+
+
+# ---------------------------------------------------------------------------------------------
+# policy_logprobs(token_mask=...): the LM head and softmax on the asked rows only
+
+
+@pytest.mark.parametrize("biased_head", [False, True])  # fused path; logits path (a bias)
+def test_policy_logprobs_token_mask_matches_the_full_computation(biased_head):
+    from agentrl_fast.models.critic import policy_logprobs
+    from agentrl_fast.models.tiny import with_token_bias
+
+    _, model = _models("qwen3", seed=int(torch.randint(0, 1000, ())))
+    if biased_head:
+        model = with_token_bias(model, {3: 0.5, 7: -1.0})
+    sequences = _sequences(seed=int(torch.randint(0, 1000, ())))
+    input_ids, position_ids, cu_seqlens, max_seqlen = pack(sequences)
+    num_tokens = input_ids.shape[1]
+    token_mask = torch.rand(num_tokens) < 0.5
+    token_mask[cu_seqlens[:-1].long().clamp(max=num_tokens - 1)] = True  # first tokens: 0 anyway
+    inputs = (input_ids, position_ids, cu_seqlens, max_seqlen)
+    full_logp, full_entropy = policy_logprobs(model, *inputs, temperature=0.7,
+                                              return_entropy=True)
+    logp, entropy = policy_logprobs(model, *inputs, temperature=0.7, return_entropy=True,
+                                    token_mask=token_mask)
+    keep = token_mask.float()
+    _assert_close(logp, full_logp * keep, "logp on the masked tokens, 0 elsewhere", rtol=1e-5)
+    _assert_close(entropy, full_entropy * keep, "entropy", rtol=1e-5)
+    assert bool((logp[~token_mask] == 0).all()) and bool((entropy[~token_mask] == 0).all())
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.randn(num_tokens)
+    want = torch.autograd.grad(((full_logp + full_entropy) * keep * weights).sum(), parameters)
+    got = torch.autograd.grad(((logp + entropy) * weights).sum(), parameters)
+    for g, w in zip(got, want):
+        _assert_close(g, w, "parameter gradient", rtol=1e-5)
+    nothing = policy_logprobs(model, *inputs, token_mask=torch.zeros(num_tokens, dtype=torch.bool))
+    assert nothing.shape == (num_tokens,) and bool((nothing == 0).all())
+    with pytest.raises(ValueError, match="token_mask must be a bool tensor of shape"):
+        policy_logprobs(model, *inputs, token_mask=token_mask.float())
+    with pytest.raises(ValueError, match="token_mask must be a bool tensor of shape"):
+        policy_logprobs(model, *inputs, token_mask=token_mask[:-1])

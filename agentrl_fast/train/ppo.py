@@ -344,20 +344,23 @@ class Trainer:
             scored += group
             batch = pack_sub_traces(sub_traces, group, rollout_index).to(self.device)
             inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+            actions = dict(token_mask=batch.action_mask)  # no loss reads the other log-probs
             # Results are kept on the CPU (advantages are computed there, ranks gather them).
             if self.value_head is not None:
                 logp, hidden = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
-                                               return_hidden=True)
+                                               return_hidden=True, **actions)
                 v, v_last = (x.cpu() for x in self.value_head(hidden, batch.cu_seqlens))
                 for k, (i, vi) in enumerate(zip(group, batch.split(v))):
                     values[i], last[i] = vi, v_last[k]
             else:
-                logp = policy_logprobs(self.policy, *inputs, temperature=self.temperature)
+                logp = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
+                                       **actions)
             for i, lp in zip(group, batch.split(logp.cpu())):
                 old[i] = lp
             if self.reference is not None:
                 for i, lp in zip(group, batch.split(policy_logprobs(
-                        self.reference, *inputs, temperature=self.temperature).cpu())):
+                        self.reference, *inputs, temperature=self.temperature,
+                        **actions).cpu())):
                     ref[i] = lp
             if self.critic is not None:
                 v, v_last = (x.cpu() for x in critic_values(self.critic, *inputs))
@@ -605,7 +608,7 @@ class Trainer:
         logp, entropy, *hidden = policy_logprobs(
             self.policy, batch.input_ids, batch.position_ids, batch.cu_seqlens,
             batch.max_seqlen, temperature=self.temperature, return_entropy=True,
-            return_hidden=shared)
+            return_hidden=shared, token_mask=batch.action_mask)
         use_ref = self.reference is not None and config.kl_mode == "loss"
         loss, metrics = ppo_loss(
             logp, pick(old), pick(advantages), batch.action_mask,

@@ -67,7 +67,8 @@ def sft(policy: torch.nn.Module, sub_traces: Sequence[SubTrace], *, steps: int,
         for group in micro_batches([len(sub_traces[i]) for i in batch], micro_batch_tokens):
             packed = pack_sub_traces(sub_traces, [batch[j] for j in group])
             logp = policy_logprobs(policy, packed.input_ids, packed.position_ids,
-                                   packed.cu_seqlens, packed.max_seqlen)
+                                   packed.cu_seqlens, packed.max_seqlen,
+                                   token_mask=packed.action_mask)
             loss = -(logp * packed.action_mask).sum() / max(tokens, 1)
             loss.backward()
             total += loss.item()
