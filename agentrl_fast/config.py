@@ -178,7 +178,7 @@ def default_config() -> RunConfig:
     lists anyway, and RL on mixed 2-3-vault tasks learned a 2-vault shortcut there
     (``bench/results/learning.md``)."""
     return RunConfig(env=EnvConfig(min_vaults=3), train=TrainConfig(
-        algo="ppo", steps=80, tasks_per_step=8, micro_batch_tokens=16384, mini_batches=2,
+        algo="ppo", steps=100, tasks_per_step=8, micro_batch_tokens=16384, mini_batches=2,
         epochs=2, policy_lr=1e-4, critic_lr=3e-3, lam=0.95, gamma=1.0, kl_coef=0.0,
         entropy_coef=0.0,
         loss_agg_mode="rollout-mean",  # each episode counts once, whatever its length
