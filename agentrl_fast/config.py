@@ -57,9 +57,11 @@ class WarmStartConfig:
     """Supervised warm-start: ``demos`` expert rollouts (the first train tasks), at most
     ``steps`` AdamW steps. With ``target_success``, every ``check_every`` steps the policy runs
     greedily on ``check_tasks`` validation tasks and the warm-start ends once its success
-    reaches ``target_success``: a policy that has learned the mechanics but leaves the rest to
-    RL, at the same point whatever the seed (the speed of the supervised phase varies by about
-    2x across seeds). The validation tasks are the last held-out tasks (vault lists never
+    reaches ``target_success`` in ``confirm_checks`` checks in a row: a policy that has learned
+    the mechanics but leaves the rest to RL, at the same point whatever the seed (the speed of
+    the supervised phase varies by about 2x across seeds). One check is not enough: the first
+    one past the target can catch a policy mid-transition that succeeds greedily but not when
+    sampled, and RL from there stalls (``bench/results/main_job.md``, session 9). The validation tasks are the last held-out tasks (vault lists never
     trained on), none of them among the ``eval.tasks`` the final evaluation uses: success on
     train-split lists runs far ahead of held-out success (0.48 vs 0.005 for one seed, with
     2–3-vault tasks).
@@ -75,6 +77,7 @@ class WarmStartConfig:
     target_success: float | None = 0.4
     check_every: int = 25
     check_tasks: int = 50
+    confirm_checks: int = 2
     expert_save_probability: float = 1.0
     expert_read_probability: float = 1.0
     expert_retry_probability: float = 1.0
@@ -246,6 +249,8 @@ def validate(config: RunConfig) -> None:
         if not 0.0 < w.target_success <= 1.0:
             raise ConfigError(f"warmstart.target_success must be in (0, 1] (or null), "
                               f"got {w.target_success}")
+        if w.confirm_checks < 1:
+            raise ConfigError(f"warmstart.confirm_checks must be >= 1, got {w.confirm_checks}")
         if w.check_every < 1 or w.check_tasks < 1:
             raise ConfigError(f"warmstart.check_every and warmstart.check_tasks must be >= 1, "
                               f"got {w.check_every} and {w.check_tasks}")

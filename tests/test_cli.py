@@ -75,6 +75,7 @@ def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
      "warmstart.target_success must be in (0, 1] (or null), got 0"),
     (["--set", "warmstart.check_every=0"],
      "warmstart.check_every and warmstart.check_tasks must be >= 1, got 0 and 50"),
+    (["--set", "warmstart.confirm_checks=0"], "warmstart.confirm_checks must be >= 1, got 0"),
     (["--set", "warmstart.check_tasks=60"],
      "eval.tasks (200) + warmstart.check_tasks (60) exceed env.eval_size (250)"),
 ])
@@ -84,6 +85,18 @@ def test_bad_configuration_fails_at_start_naming_the_field(args, fragment, tmp_p
     assert result.returncode == 2, result.stdout + result.stderr
     assert fragment in result.stderr, result.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("successes, confirm, stops", [
+    ([], 1, False), ([0.4], 1, True), ([0.1, 0.39], 1, False),
+    ([0.1, 0.4], 2, False),  # the first check past the target is not confirmed yet
+    ([0.1, 0.4, 0.5], 2, True), ([0.4, 0.3, 0.4], 2, False), ([0.4, 0.3, 0.4, 0.42], 2, True),
+    ([0.5, 0.5], 3, False), ([0.2, 0.5, 0.5, 0.6], 3, True),
+])
+def test_warm_start_stops_after_confirm_checks_in_a_row_reach_the_target(successes, confirm,
+                                                                         stops):
+    from agentrl_fast.train.run import target_confirmed
+    assert target_confirmed(successes, 0.4, confirm) is stops
 
 
 def test_tokenizer_without_the_chat_tokens_is_refused(tmp_path):

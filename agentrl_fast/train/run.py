@@ -109,15 +109,22 @@ def evaluate(policy, chat: ChatFormat, environment, config: RunConfig, *, seed: 
     return rollout_metrics(world.in_task_order(world.all_gather(mine), len(tasks), 1))
 
 
+def target_confirmed(successes: list[float], target: float, confirm: int) -> bool:
+    """Whether the last ``confirm`` validation checks (``successes``, oldest first) all reached
+    ``target``."""
+    return len(successes) >= confirm and all(s >= target for s in successes[-confirm:])
+
+
 def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: list, *,
                log: Callable[[dict], None] | None = None) -> tuple[list[float], list[dict]]:
     """Supervised warm-start of ``policy`` on ``demos`` (:func:`expert_demonstrations`) as
     ``config.warmstart`` says; returns the loss of each step and the validation checks
     (``{"sft_step", "check_success", "check_reward"}``), each also passed to ``log``. It ends
-    after ``warmstart.steps`` steps, or at the first check whose greedy success on the last
-    ``warmstart.check_tasks`` held-out tasks (never among the final evaluation's first
-    ``eval.tasks``: :func:`~agentrl_fast.config.validate`) reaches
-    ``warmstart.target_success``."""
+    after ``warmstart.steps`` steps, or at the check that makes ``warmstart.confirm_checks``
+    checks in a row whose greedy success on the last ``warmstart.check_tasks`` held-out tasks
+    (never among the final evaluation's first ``eval.tasks``:
+    :func:`~agentrl_fast.config.validate`) reaches ``warmstart.target_success``
+    (:func:`target_confirmed`)."""
     w = config.warmstart
     checks: list[dict] = []
     validation = environment.tasks("eval")[-w.check_tasks:]
@@ -130,7 +137,8 @@ def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: 
                        "check_reward": result["reward"]})
         if log is not None:
             log(checks[-1])
-        return result["success"] >= w.target_success
+        return target_confirmed([c["check_success"] for c in checks], w.target_success,
+                                w.confirm_checks)
 
     losses = sft(policy, [s for d in demos for s in d.sub_traces], steps=w.steps, lr=w.lr,
                  batch_sequences=w.batch_sequences, seed=config.seed, stop=reached, log=log)
