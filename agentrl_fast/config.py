@@ -61,10 +61,10 @@ class WarmStartConfig:
     the mechanics but leaves the rest to RL, at the same point whatever the seed (the speed of
     the supervised phase varies by about 2x across seeds). One check is not enough: the first
     one past the target can catch a policy mid-transition that succeeds greedily but not when
-    sampled, and RL from there stalls (``bench/results/main_job.md``, session 9). The validation tasks are the last held-out tasks (vault lists never
-    trained on), none of them among the ``eval.tasks`` the final evaluation uses: success on
-    train-split lists runs far ahead of held-out success (0.48 vs 0.005 for one seed, with
-    2–3-vault tasks).
+    sampled, and RL from there stalls (``bench/results/main_job.md``, session 9). The
+    validation tasks are the last held-out tasks (vault lists never trained on), none of them
+    among the ``eval.tasks`` the final evaluation uses: success on train-split lists runs far
+    ahead of held-out success (0.48 vs 0.005 for one seed, with 2–3-vault tasks).
     ``expert_save_probability`` / ``expert_read_probability`` / ``expert_retry_probability``
     below 1 make the expert careless (``expert_action``: it skips saving or reading back some
     codes, or gives up some jammed vaults), so the demonstrations leave something for RL to
