@@ -110,9 +110,11 @@ def policy_logprobs(policy: torch.nn.Module, input_ids: torch.Tensor, position_i
         out = token_logprobs(logits if rows is None else logits.index_select(0, rows), labels,
                              temperature=temperature, return_entropy=return_entropy)
     out = list(out) if return_entropy else [out]
-    if rows is not None:  # back to one entry per row, 0 where not computed
-        out = [x.new_zeros(input_ids.shape[1]).index_put((rows,), x) for x in out]
-    out = [rows_to_tokens(x, cu_seqlens) for x in out] + ([hidden] if return_hidden else [])
+    if rows is None:
+        out = [rows_to_tokens(x, cu_seqlens) for x in out]
+    else:  # row r is about token r + 1, never a sequence's first (its label would be ignored)
+        out = [x.new_zeros(input_ids.shape[1]).index_put((rows + 1,), x) for x in out]
+    out = out + ([hidden] if return_hidden else [])
     return out[0] if len(out) == 1 else tuple(out)
 
 

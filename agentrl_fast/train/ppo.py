@@ -344,23 +344,23 @@ class Trainer:
             scored += group
             batch = pack_sub_traces(sub_traces, group, rollout_index).to(self.device)
             inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
-            actions = dict(token_mask=batch.action_mask)  # no loss reads the other log-probs
+            mask = batch.action_mask  # no loss reads the other tokens' log-probs
             # Results are kept on the CPU (advantages are computed there, ranks gather them).
             if self.value_head is not None:
                 logp, hidden = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
-                                               return_hidden=True, **actions)
+                                               return_hidden=True, token_mask=mask)
                 v, v_last = (x.cpu() for x in self.value_head(hidden, batch.cu_seqlens))
                 for k, (i, vi) in enumerate(zip(group, batch.split(v))):
                     values[i], last[i] = vi, v_last[k]
             else:
                 logp = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
-                                       **actions)
+                                       token_mask=mask)
             for i, lp in zip(group, batch.split(logp.cpu())):
                 old[i] = lp
             if self.reference is not None:
                 for i, lp in zip(group, batch.split(policy_logprobs(
                         self.reference, *inputs, temperature=self.temperature,
-                        **actions).cpu())):
+                        token_mask=mask).cpu())):
                     ref[i] = lp
             if self.critic is not None:
                 v, v_last = (x.cpu() for x in critic_values(self.critic, *inputs))
