@@ -76,6 +76,9 @@ def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
     (["--set", "warmstart.check_every=0"],
      "warmstart.check_every and warmstart.check_tasks must be >= 1, got 0 and 50"),
     (["--set", "warmstart.confirm_checks=0"], "warmstart.confirm_checks must be >= 1, got 0"),
+    (["--set", "warmstart.fine_check_every=0"], "warmstart.fine_check_every must be >= 1, got 0"),
+    (["--set", "warmstart.fine_check_from=1.5"],
+     "warmstart.fine_check_from must be in [0, 1], got 1.5"),
     (["--set", "warmstart.check_tasks=60"],
      "eval.tasks (200) + warmstart.check_tasks (60) exceed env.eval_size (250)"),
 ])
@@ -97,6 +100,33 @@ def test_warm_start_stops_after_confirm_checks_in_a_row_reach_the_target(success
                                                                          stops):
     from agentrl_fast.train.run import target_confirmed
     assert target_confirmed(successes, 0.4, confirm) is stops
+
+
+@pytest.mark.parametrize("successes, interval", [
+    ([], 25), ([0.0, 0.08], 25), ([0.0, 0.1], 5), ([0.16, 0.02], 5), ([0.74], 5),
+])
+def test_checks_come_finer_once_the_supervised_transition_begins(successes, interval):
+    from agentrl_fast.config import WarmStartConfig
+    from agentrl_fast.train.run import check_interval
+    warmstart = WarmStartConfig(check_every=25, fine_check_every=5, fine_check_from=0.1)
+    assert check_interval(successes, warmstart) == interval
+
+
+def test_warm_start_runs_its_checks_on_the_schedule():
+    """The real warm-start (tiny budget): coarse checks until one reaches fine_check_from (0 here:
+    the first does), then one every fine_check_every steps."""
+    from agentrl_fast.train.run import build, expert_demonstrations, warm_start
+    config = apply_overrides(default_config(), [
+        "warmstart.demos=4", "warmstart.steps=7", "warmstart.check_every=3",
+        "warmstart.check_tasks=2", "warmstart.fine_check_every=2",
+        "warmstart.fine_check_from=0.0", "warmstart.batch_sequences=4"])
+    environment, chat, policy = build(config)
+    demos = expert_demonstrations(config, chat, environment)
+    logged = []
+    losses, checks = warm_start(config, policy, chat, environment, demos, log=logged.append)
+    assert len(losses) == 7  # 7 steps cannot reach 0.4 success twice
+    assert [c["sft_step"] for c in checks] == [3, 5, 7]
+    assert [row for row in logged if "check_success" in row] == checks
 
 
 def test_tokenizer_without_the_chat_tokens_is_refused(tmp_path):

@@ -115,6 +115,14 @@ def target_confirmed(successes: list[float], target: float, confirm: int) -> boo
     return len(successes) >= confirm and all(s >= target for s in successes[-confirm:])
 
 
+def check_interval(successes: list[float], warmstart) -> int:
+    """Steps from the last validation check to the next: ``warmstart.fine_check_every`` once a
+    check (``successes``, oldest first) reached ``warmstart.fine_check_from`` (the supervised
+    transition has begun), else ``warmstart.check_every``."""
+    started = any(s >= warmstart.fine_check_from for s in successes)
+    return warmstart.fine_check_every if started else warmstart.check_every
+
+
 def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: list, *,
                log: Callable[[dict], None] | None = None) -> tuple[list[float], list[dict]]:
     """Supervised warm-start of ``policy`` on ``demos`` (:func:`expert_demonstrations`) as
@@ -124,20 +132,24 @@ def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: 
     checks in a row whose greedy success on the last ``warmstart.check_tasks`` held-out tasks
     (never among the final evaluation's first ``eval.tasks``:
     :func:`~agentrl_fast.config.validate`) reaches ``warmstart.target_success``
-    (:func:`target_confirmed`)."""
+    (:func:`target_confirmed`); the checks come as :func:`check_interval` says."""
     w = config.warmstart
     checks: list[dict] = []
     validation = environment.tasks("eval")[-w.check_tasks:]
 
     def reached(step: int, losses: list[float]) -> bool:
-        if w.target_success is None or step % w.check_every:
+        if w.target_success is None:
+            return False
+        successes = [c["check_success"] for c in checks]
+        last = checks[-1]["sft_step"] if checks else 0
+        if step - last < check_interval(successes, w):
             return False
         result = evaluate(policy, chat, environment, config, seed=config.seed, tasks=validation)
         checks.append({"sft_step": step, "check_success": result["success"],
                        "check_reward": result["reward"]})
         if log is not None:
             log(checks[-1])
-        return target_confirmed([c["check_success"] for c in checks], w.target_success,
+        return target_confirmed(successes + [result["success"]], w.target_success,
                                 w.confirm_checks)
 
     losses = sft(policy, [s for d in demos for s in d.sub_traces], steps=w.steps, lr=w.lr,
