@@ -95,12 +95,13 @@ def main(argv=None) -> int:
 
     environment, chat, policy = build(base)
     start = time.perf_counter()
-    sft_steps = None  # unknown for a loaded warm-start
+    sft_steps, checks = None, []  # unknown for a loaded warm-start
     if args.load_warm:
         policy.load_state_dict(torch.load(args.load_warm))
     else:
         demos = expert_demonstrations(base, chat, environment)
-        sft_steps = len(warm_start(base, policy, chat, environment, demos)[0])
+        losses, checks = warm_start(base, policy, chat, environment, demos)
+        sft_steps = len(losses)
     if args.save_warm:
         torch.save(policy.state_dict(), args.save_warm)
     warm = evaluate(policy, chat, environment, base, seed=base.seed)
@@ -108,11 +109,13 @@ def main(argv=None) -> int:
                         seed=base.seed) if args.pass_k else {}
     head = {"kind": "warmstart", "demos": base.warmstart.demos, "steps": sft_steps,
             "seconds": time.perf_counter() - start, "success": warm["success"],
-            "reward": warm["reward"], **explore}
+            "reward": warm["reward"], **explore,
+            "checks": [(c["sft_step"], c["check_success"]) for c in checks]}
     record(head)
     print(f"warm-start ({base.warmstart.demos} demos, {'loaded' if sft_steps is None else sft_steps} steps, "
           f"{head['seconds']:.0f} s): eval success {warm['success']:.3f}, reward "
-          f"{warm['reward']:.3f}; " + ", ".join(f"{k} {v:.2f}" for k, v in explore.items()),
+          f"{warm['reward']:.3f}; " + ", ".join(f"{k} {v:.2f}" for k, v in explore.items())
+          + "; validation checks " + " ".join(f"{s}:{v:.2f}" for s, v in head["checks"]),
           flush=True)
     variants = (args.variant or [""]) if args.steps else []  # --steps 0: warm-start only
     for number, variant in enumerate(variants):
