@@ -133,10 +133,12 @@ def make_sub_trace(rollout_id, index, mask, rewards, end):
     return s
 
 
-def reference_chained_gae(rollout_subs, values, last_values, gamma, lam, bootstrap_truncated=True):
+def reference_chained_gae(rollout_subs, values, last_values, gamma, lam, bootstrap_truncated=True,
+                          restart_at_compaction=False):
     """Float64, over the unsplit trajectory (all action tokens of the rollout in order) with the
     same compaction points: at the last action token of a continued sub-trace, the next value is
-    V at the next sub-trace's first action token and the GAE sum restarts (A_next = 0)."""
+    V at the next sub-trace's first action token, and the GAE sum goes on (A_next: the next
+    sub-trace's first advantage) or, with ``restart_at_compaction``, restarts (A_next = 0)."""
     steps = []  # (sub-trace, position, reward, value)
     for k, s in enumerate(rollout_subs):
         for t, m in enumerate(s.action_mask):
@@ -155,16 +157,19 @@ def reference_chained_gae(rollout_subs, values, last_values, gamma, lam, bootstr
                 bootstrap = float(last_values[k]) if bootstrap_truncated else 0.0
             else:
                 bootstrap = steps[i + 1][3]
-            next_value, next_advantage = bootstrap, 0.0
+            next_value = bootstrap
+            if s.end != "continued" or restart_at_compaction:
+                next_advantage = 0.0
         delta = r + gamma * next_value - v
         advantages[(k, t)] = delta + gamma * lam * next_advantage
         next_value, next_advantage = v, advantages[(k, t)]
     return advantages
 
 
+@pytest.mark.parametrize("restart_at_compaction", [False, True])
 @pytest.mark.parametrize("last_end,bootstrap_truncated",
                          [("terminal", True), ("truncated", True), ("truncated", False)])
-def test_gae_chains_across_sub_traces(last_end, bootstrap_truncated):
+def test_gae_chains_across_sub_traces(last_end, bootstrap_truncated, restart_at_compaction):
     generator = torch.Generator().manual_seed(5)
     masks = [[1, 0, 1, 1], [0, 0], [1, 1, 0, 1, 0], [0, 1]]  # the second has no action token
     ends = ["continued", "continued", "continued", last_end]
@@ -173,16 +178,22 @@ def test_gae_chains_across_sub_traces(last_end, bootstrap_truncated):
         rewards = [float(torch.rand(1, generator=generator)) if m else 0.0 for m in mask]
         subs.append(make_sub_trace("r", k, mask, rewards, end))
     other = make_sub_trace("q", 0, [1, 1], [1.0, 0.0], "terminal")  # another rollout in between
-    batch = subs[:2] + [other] + subs[2:]
+    # Out of order: the batch need not hold a rollout's sub-traces together or in order.
+    batch = [subs[2], subs[0], other, subs[3], subs[1]]
     values = [torch.randn(len(s), generator=generator) for s in batch]
     last = torch.randn(len(batch), generator=generator)
     gamma, lam = 0.97, 0.9
     advantages, returns = gae_advantages(batch, values, last, gamma=gamma, lam=lam,
-                                         bootstrap_truncated=bootstrap_truncated)
-    rollout_positions = [0, 1, 3, 4]
+                                         bootstrap_truncated=bootstrap_truncated,
+                                         restart_at_compaction=restart_at_compaction)
+    rollout_positions = [1, 4, 0, 3]  # sub-traces 0, 1, 2, 3 of rollout "r"
     expected = reference_chained_gae([batch[i] for i in rollout_positions],
                                      [values[i] for i in rollout_positions],
-                                     last[rollout_positions], gamma, lam, bootstrap_truncated)
+                                     last[rollout_positions], gamma, lam, bootstrap_truncated,
+                                     restart_at_compaction)
+    other_expected = reference_chained_gae([other], [values[2]], last[[2]], gamma, lam)
+    for t in range(len(other)):
+        assert advantages[2][t].item() == pytest.approx(other_expected.get((0, t), 0.0), abs=1e-5)
     for k, i in enumerate(rollout_positions):
         for t, m in enumerate(batch[i].action_mask):
             if m:
@@ -193,10 +204,30 @@ def test_gae_chains_across_sub_traces(last_end, bootstrap_truncated):
                 assert advantages[i][t].item() == 0.0
     bootstrap = bootstrap_values(batch, values, last, bootstrap_truncated=bootstrap_truncated)
     # continued -> V at the first action token of the next sub-trace with one (skipping index 1)
-    assert bootstrap[0].item() == pytest.approx(values[3][1].item())
-    assert bootstrap[1].item() == pytest.approx(values[3][1].item())
+    assert bootstrap[1].item() == pytest.approx(values[0][1].item())
+    assert bootstrap[4].item() == pytest.approx(values[0][1].item())
     cut_by_limit = last_end == "truncated" and bootstrap_truncated
-    assert bootstrap[4].item() == pytest.approx(last[4].item() if cut_by_limit else 0.0)
+    assert bootstrap[3].item() == pytest.approx(last[3].item() if cut_by_limit else 0.0)
+
+
+def test_gae_with_lambda_one_gives_every_token_its_rollouts_return():
+    """gamma = lam = 1, terminal: through any number of compactions, each action token's return
+    is the rollout's reward-to-go (what GRPO broadcasts), whatever the critic says; restarting
+    at compactions leaves the early sub-traces' returns to the critic."""
+    generator = torch.Generator().manual_seed(7)
+    masks = [[1, 0, 1], [0, 1, 1, 0], [1, 0, 1]]
+    rewards = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]
+    subs = [make_sub_trace("r", k, m, r, "continued" if k < 2 else "terminal")
+            for k, (m, r) in enumerate(zip(masks, rewards))]
+    values = [torch.rand(len(s), generator=generator) for s in subs]
+    last = torch.zeros(len(subs))
+    _, returns = gae_advantages(subs, values, last, gamma=1.0, lam=1.0)
+    for s, r in zip(subs, returns):
+        torch.testing.assert_close(r, torch.tensor(s.action_mask, dtype=torch.float32))
+    _, cut = gae_advantages(subs, values, last, gamma=1.0, lam=1.0, restart_at_compaction=True)
+    first_of_next = values[1][[i for i, m in enumerate(subs[1].action_mask) if m][0]]
+    assert cut[0][1].item() == pytest.approx(first_of_next.item())  # the critic's, not 1.0
+    assert gae_advantages([], [], torch.zeros(0), gamma=1.0, lam=1.0) == ([], [])
 
 
 def test_gae_needs_whole_rollouts():

@@ -4,7 +4,8 @@ rollout (PPO with a critic), and group-relative outcome advantages (GRPO).
 Bootstrap of a sub-trace (DESIGN.md, "GAE over packed trajectories"): ``terminal`` 0;
 ``truncated`` the critic's value after its last token; ``continued`` ``V`` at the first action
 token of the rollout's next sub-trace (a sub-trace without action tokens is skipped: the chain
-passes through to its own bootstrap).
+passes through to its own bootstrap). The lambda-return runs on through a compaction unless
+asked to restart there (:func:`gae_advantages`).
 
 ``bootstrap_truncated=False`` treats a limit as the end of the episode (bootstrap 0), for
 environments whose limits are part of the task: the rollout engine scores a truncated episode
@@ -73,27 +74,55 @@ def bootstrap_values(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tens
 def gae_advantages(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tensor],
                    last_values: torch.Tensor, *, gamma: float, lam: float,
                    rewards: Sequence[torch.Tensor] | None = None,
-                   bootstrap_truncated: bool = True
+                   bootstrap_truncated: bool = True, restart_at_compaction: bool = False
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-sub-trace ``(advantages, returns)`` (float32, 0 on non-action tokens) by the ``gae``
     op over the whole batch packed, with :func:`bootstrap_values`. ``rewards`` overrides the
     sub-traces' own (for example with a KL penalty folded in); ``bootstrap_truncated`` as in
-    :func:`bootstrap_values`."""
+    :func:`bootstrap_values`.
+
+    At a compaction the next value is ``V`` at the first action token of the rollout's next
+    sub-trace either way. By default the lambda-return goes on through it: each rollout's
+    sub-traces run as one sequence (``A_t = delta_t + gamma * lam * A_next`` with ``A_next``
+    the next sub-trace's first advantage), so with ``lam = 1`` every action token's return is
+    the rollout's own return, however many compactions it went through. With
+    ``restart_at_compaction`` the sum restarts there (``A_next = 0``): everything after a
+    compaction is the critic's estimate, and an outcome reaches the earlier sub-traces only as
+    fast as the critic learns it (one sub-trace per round of value targets)."""
     lengths = [len(s) for s in sub_traces]
-    cu_seqlens = torch.zeros(len(sub_traces) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
     if rewards is None:
         rewards = [torch.tensor(s.rewards, dtype=torch.float32) for s in sub_traces]
-    flat_rewards = torch.cat([torch.as_tensor(r, dtype=torch.float32) for r in rewards]) \
-        if sub_traces else torch.zeros(0)
-    flat_values = torch.cat([v.float() for v in values]) if sub_traces else torch.zeros(0)
-    mask = torch.tensor([m for s in sub_traces for m in s.action_mask], dtype=torch.bool)
-    advantages, returns = gae(flat_rewards, flat_values, cu_seqlens, action_mask=mask,
-                              bootstrap_values=bootstrap_values(
-                                  sub_traces, values, last_values,
-                                  bootstrap_truncated=bootstrap_truncated),
+    rewards = [torch.as_tensor(r, dtype=torch.float32) for r in rewards]
+    values = [v.float() for v in values]
+    masks = [torch.tensor(s.action_mask, dtype=torch.bool) for s in sub_traces]
+    bootstrap = bootstrap_values(sub_traces, values, last_values,
+                                 bootstrap_truncated=bootstrap_truncated)
+    if not sub_traces:
+        return [], []
+    if restart_at_compaction:
+        order, sequences = list(range(len(sub_traces))), [[i] for i in range(len(sub_traces))]
+    else:  # one sequence per rollout, its sub-traces in order (bootstrap_values checked them)
+        rollouts: dict[str, list[int]] = defaultdict(list)
+        for i, s in enumerate(sub_traces):
+            rollouts[s.rollout_id].append(i)
+        sequences = [sorted(members, key=lambda i: sub_traces[i].index)
+                     for members in rollouts.values()]
+        order = [i for members in sequences for i in members]
+    sequence_lengths = [sum(lengths[i] for i in members) for members in sequences]
+    cu_seqlens = torch.zeros(len(sequences) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.tensor(sequence_lengths, dtype=torch.int32).cumsum(0)
+    advantages, returns = gae(torch.cat([rewards[i] for i in order]),
+                              torch.cat([values[i] for i in order]), cu_seqlens,
+                              action_mask=torch.cat([masks[i] for i in order]),
+                              bootstrap_values=bootstrap[[m[-1] for m in sequences]],
                               gamma=gamma, lam=lam)
-    return list(advantages.split(lengths)), list(returns.split(lengths))
+    out_advantages: list[torch.Tensor] = [torch.zeros(0)] * len(sub_traces)
+    out_returns: list[torch.Tensor] = [torch.zeros(0)] * len(sub_traces)
+    pieces = zip(order, advantages.split([lengths[i] for i in order]),
+                 returns.split([lengths[i] for i in order]))
+    for i, advantage, value_target in pieces:
+        out_advantages[i], out_returns[i] = advantage, value_target
+    return out_advantages, out_returns
 
 
 def whiten_per_sub_trace(advantages: Sequence[torch.Tensor],

@@ -70,6 +70,12 @@ class TrainConfig:
     # lam = 1 gives the policy unbiased returns over long traces while the critic still learns
     # from lower-variance targets.
     critic_lam: float | None = None
+    # GAE's lambda-return continues through a compaction (each rollout's sub-traces as one
+    # sequence; with lam = 1 every token's return is its rollout's return). True restarts it at
+    # each compaction, leaving everything after one to the critic's value there: on the vault
+    # task's 6-sub-trace episodes the outcome then reaches the early sub-traces only as fast
+    # as the critic learns it (bench/results/main_job.md, session 10).
+    gae_restart_at_compaction: bool = False
     bootstrap_truncated: bool = True  # False: a limit ends the episode (see train.advantages)
     whiten_advantages: bool = True
     loss_agg_mode: str | None = None  # default: token-mean (ppo), rollout-mean (grpo)
@@ -428,7 +434,8 @@ class Trainer:
                 rewards = [r - self.kl_coef * k for r, k in zip(rewards, kl)]
         if config.algo == "ppo":
             gae_kwargs = dict(gamma=config.gamma, rewards=rewards,
-                              bootstrap_truncated=config.bootstrap_truncated)
+                              bootstrap_truncated=config.bootstrap_truncated,
+                              restart_at_compaction=config.gae_restart_at_compaction)
             advantages, returns = gae_advantages(sub_traces, values, last, lam=config.lam,
                                                  **gae_kwargs)
             if config.critic_lam is not None and config.critic_lam != config.lam:
