@@ -187,7 +187,10 @@ def default_config() -> RunConfig:
     (``bench/results/learning.md``)."""
     return RunConfig(env=EnvConfig(min_vaults=3), train=TrainConfig(
         algo="ppo", steps=100, tasks_per_step=8, micro_batch_tokens=16384, mini_batches=2,
-        epochs=2, policy_lr=1e-4, critic_lr=3e-3, lam=0.95, gamma=1.0, kl_coef=0.0,
+        epochs=2, policy_lr=1e-4, critic_lr=3e-3, gamma=1.0, kl_coef=0.0,
+        # Lambda 1 through compactions: every action token's advantage is its rollout's
+        # return minus the critic's value there (bench/results/main_job.md, session 10).
+        lam=1.0,
         entropy_coef=0.0,
         loss_agg_mode="rollout-mean",  # each episode counts once, whatever its length
         bootstrap_truncated=False,  # the vault task's limits end the episode (scored 0)
