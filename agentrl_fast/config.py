@@ -62,9 +62,9 @@ class WarmStartConfig:
     transition can pass from 0.16 to 0.92 within 50 steps, and a coarse cadence overshoots
     the target (``bench/results/main_job.md``, sessions 9 and 10). The aim is a policy that has
     learned the mechanics but leaves the rest to RL, at the same point whatever the seed (the
-    speed of the supervised phase varies by about 2x across seeds). One check is not enough: the first
-    one past the target can catch a policy mid-transition that succeeds greedily but not when
-    sampled, and RL from there stalls (``bench/results/main_job.md``, session 9). The
+    speed of the supervised phase varies by about 2x across seeds). One check is not enough:
+    the first one past the target can catch a policy mid-transition that succeeds greedily but
+    not when sampled, and RL from there stalls (``bench/results/main_job.md``, session 9). The
     validation tasks are the last held-out tasks (vault lists never trained on), none of them
     among the ``eval.tasks`` the final evaluation uses: success on train-split lists runs far
     ahead of held-out success (0.48 vs 0.005 for one seed, with 2–3-vault tasks).

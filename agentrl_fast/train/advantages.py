@@ -100,14 +100,14 @@ def gae_advantages(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tensor
     if not sub_traces:
         return [], []
     if restart_at_compaction:
-        order, sequences = list(range(len(sub_traces))), [[i] for i in range(len(sub_traces))]
+        sequences = [[i] for i in range(len(sub_traces))]
     else:  # one sequence per rollout, its sub-traces in order (bootstrap_values checked them)
         rollouts: dict[str, list[int]] = defaultdict(list)
         for i, s in enumerate(sub_traces):
             rollouts[s.rollout_id].append(i)
         sequences = [sorted(members, key=lambda i: sub_traces[i].index)
                      for members in rollouts.values()]
-        order = [i for members in sequences for i in members]
+    order = [i for members in sequences for i in members]
     sequence_lengths = [sum(lengths[i] for i in members) for members in sequences]
     cu_seqlens = torch.zeros(len(sequences) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.tensor(sequence_lengths, dtype=torch.int32).cumsum(0)
