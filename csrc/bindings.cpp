@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "gae.h"
+#include "varlen_attention.h"
 
 TORCH_LIBRARY(agentrl_fast, m) {
   m.def(
@@ -15,6 +16,13 @@ TORCH_LIBRARY(agentrl_fast, m) {
       "gae_out(Tensor rewards, Tensor values, Tensor cu_seqlens, Tensor? action_mask, "
       "Tensor? bootstrap_values, float gamma, float lam, bool validate, Tensor(a!) advantages, "
       "Tensor(b!) returns) -> ()");
+  m.def(
+      "varlen_attention_cpu_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, bool causal, "
+      "float scale, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.def(
+      "varlen_attention_cpu_backward_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, Tensor cu_seqlens, bool causal, float scale, Tensor(a!) dq, Tensor(b!) dk, "
+      "Tensor(c!) dv) -> ()");
 }
 
 namespace {
@@ -25,11 +33,28 @@ void gae_out_op(const at::Tensor& rewards, const at::Tensor& values, const at::T
   agentrl_fast::gae_out(rewards, values, cu_seqlens, action_mask, bootstrap_values, gamma, lam,
                         validate, advantages, returns);
 }
+
+void varlen_attention_cpu_out_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& cu_seqlens, bool causal, double scale,
+                                 at::Tensor out, at::Tensor lse) {
+  agentrl_fast::varlen_attention_cpu_out(q, k, v, cu_seqlens, causal, scale, out, lse);
+}
+
+void varlen_attention_cpu_backward_out_op(const at::Tensor& dout, const at::Tensor& q,
+                                          const at::Tensor& k, const at::Tensor& v,
+                                          const at::Tensor& out, const at::Tensor& lse,
+                                          const at::Tensor& cu_seqlens, bool causal, double scale,
+                                          at::Tensor dq, at::Tensor dk, at::Tensor dv) {
+  agentrl_fast::varlen_attention_cpu_backward_out(dout, q, k, v, out, lse, cu_seqlens, causal,
+                                                  scale, dq, dk, dv);
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(agentrl_fast, CPU, m) {
   m.impl("gae", &agentrl_fast::gae);
   m.impl("gae_out", &gae_out_op);
+  m.impl("varlen_attention_cpu_out", &varlen_attention_cpu_out_op);
+  m.impl("varlen_attention_cpu_backward_out", &varlen_attention_cpu_backward_out_op);
 }
 
 #ifdef AGENTRL_FAST_WITH_CUDA
@@ -39,7 +64,7 @@ TORCH_LIBRARY_IMPL(agentrl_fast, CUDA, m) {
 }
 #endif
 
-// pybind11 only for what is not a tensor op: build facts.
+// pybind11 only for what is not a tensor op: build and dispatch facts.
 PYBIND11_MODULE(_C, module) {
   module.doc() = "agentrl_fast native extension (ops are registered under torch.ops.agentrl_fast)";
 #ifdef AGENTRL_FAST_WITH_CUDA
@@ -49,4 +74,6 @@ PYBIND11_MODULE(_C, module) {
   module.attr("cuda_built") = false;
   module.attr("cuda_arch_list") = "";
 #endif
+  module.def("varlen_attention_cpu_uses_avx2", &agentrl_fast::varlen_attention_cpu_uses_avx2,
+             "whether the CPU attention kernel runs its AVX2 + FMA build");
 }

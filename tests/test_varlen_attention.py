@@ -6,14 +6,15 @@ float64 reference may be at most 2x (forward) / 3x (backward) the error of the s
 PyTorch in the input dtype (``attention_in_dtype``), plus a tiny absolute floor, so they scale with
 the dtype instead of being magic numbers.
 
-The CPU backends (``reference``, and ``cpu_flash``: torch's fused CPU kernel on length-bucketed
-padded batches, the CPU default) run everywhere; the ``torch`` and
+The CPU backends (``reference``; ``native``: our C++ kernel, the CPU default; ``cpu_flash``:
+torch's fused CPU kernel on length-bucketed padded batches) run everywhere; the ``torch`` and
 ``flash_attn`` backends run on CUDA only, so their tests are marked ``gpu`` (and the flash_attn
 ones skip when flash-attn is not installed). Bad inputs and ``validate=False`` with garbage
 ``cu_seqlens`` are in ``test_varlen_attention_errors.py``.
 """
 
 import math
+import os
 import zlib
 
 import pytest
@@ -166,8 +167,9 @@ def cuda_backend(name):
 GPU_BACKENDS = [pytest.param("reference", marks=pytest.mark.gpu, id="reference-cuda"),
                 pytest.param("torch", marks=pytest.mark.gpu, id="torch-cuda"),
                 pytest.param("flash_attn", marks=pytest.mark.gpu, id="flash_attn-cuda")]
-CPU_BACKENDS = ["reference", "cpu_flash"]
+CPU_BACKENDS = ["reference", "native", "cpu_flash"]
 ALL_BACKENDS = [pytest.param("reference", id="reference-cpu"),
+                pytest.param("native", id="native-cpu"),
                 pytest.param("cpu_flash", id="cpu_flash-cpu"), *GPU_BACKENDS]
 
 
@@ -439,6 +441,7 @@ def test_lse_values(backend, causal, request):
 
 @pytest.mark.parametrize("backend", [
     pytest.param("reference", id="reference-cpu"),
+    pytest.param("native", id="native-cpu"),
     pytest.param("cpu_flash", id="cpu_flash-cpu"),
     GPU_BACKENDS[0],
     pytest.param("torch", marks=[pytest.mark.gpu], id="torch-cuda"),
@@ -468,15 +471,40 @@ def test_lse_is_not_differentiable(backend, request):
 # ---------------------------------------------------------------------------------------------
 # Backends and dispatch.
 
-def test_auto_resolves_to_cpu_flash_on_cpu(monkeypatch):
+def test_auto_resolves_to_native_on_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert {"reference", "cpu_flash"} <= set(available_backends("cpu"))
-    assert {"reference", "cpu_flash"} <= set(available_backends(torch.device("cpu")))
+    assert {"reference", "native", "cpu_flash"} <= set(available_backends("cpu"))
+    assert {"reference", "native", "cpu_flash"} <= set(available_backends(torch.device("cpu")))
     assert "torch" not in available_backends("cpu") and "flash_attn" not in available_backends("cpu")
-    assert resolve_backend("auto", torch.device("cpu")) == "cpu_flash"
+    assert resolve_backend("auto", torch.device("cpu")) == "native"
     q, k, v, cu, max_seqlen = make_inputs([4, 9], 2, 1, 16, torch.float32, seed=17, requires_grad=False)
     assert torch.equal(varlen_attention(q, k, v, cu, max_seqlen),
-                       varlen_attention(q, k, v, cu, max_seqlen, backend="cpu_flash"))
+                       varlen_attention(q, k, v, cu, max_seqlen, backend="native"))
+
+
+def test_native_baseline_build_matches_float64():
+    """The native kernel's baseline build (what CPUs without AVX2 + FMA run), forced by
+    AGENTRL_FAST_CPU_BASELINE=1 in a fresh process, against the float64 reference on a few grid
+    cases; "auto" then prefers cpu_flash (faster than the baseline build)."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import torch
+        from agentrl_fast import _native
+        from agentrl_fast.ops.varlen_attention import resolve_backend
+        import test_varlen_attention as t
+        assert not _native._C.varlen_attention_cpu_uses_avx2()
+        assert resolve_backend("auto", torch.device("cpu")) == "cpu_flash"
+        for case in [t.REFERENCE_GRID[i] for i in (0, 7, 13, 20, 26, -1)]:
+            t.check_grid_case(case, "native")
+        print("baseline ok")
+    """)
+    env = {**os.environ, "AGENTRL_FAST_CPU_BASELINE": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(__file__), env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "baseline ok" in result.stdout, result.stderr[-3000:]
 
 
 @pytest.mark.gpu

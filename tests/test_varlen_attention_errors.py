@@ -46,7 +46,7 @@ PRELUDE = textwrap.dedent("""
 
     def kernels_directly(cu_seqlens):
         '''The CPU backends' forward and backward, into preallocated outputs.'''
-        for name in ("reference", "cpu_flash"):
+        for name in ("reference", "native", "cpu_flash"):
             backend = BACKENDS[name]
             out, lse = torch.empty_like(q), torch.empty(Hq, T)
             backend.forward(q, k, v, cu_seqlens, 4, True, 0.5, False, out, lse)
@@ -148,7 +148,7 @@ CASES = {
     "max_seqlen_negative_unvalidated": ("ValueError", "max_seqlen must be >= 0, got -5",
                                         "attn(max_seqlen=-5, validate=False)"),
     # backend
-    "backend_unknown": ("ValueError", "backend must be 'auto' or one of ['cpu_flash', 'flash_attn', 'reference', 'torch', 'triton'], got 'flash'",
+    "backend_unknown": ("ValueError", "backend must be 'auto' or one of ['cpu_flash', 'flash_attn', 'native', 'reference', 'torch', 'triton'], got 'flash'",
                         "attn(backend='flash')"),
     "backend_empty": ("ValueError", "backend must be 'auto' or one of", "attn(backend='')"),
     "backend_torch_on_cpu": ("ValueError", "backend 'torch' is not available on cpu: ", "attn(backend='torch')"),

@@ -7,13 +7,15 @@ sequences laid end to end attends only to itself. Several backends compute it:
 - ``"reference"``: per-sequence scaled-dot-product attention in float32 (any device); its
   forward and backward run inside the registered op ``agentrl_fast::varlen_attention_forward`` /
   ``_backward``.
+- ``"native"``: our C++ kernel (``csrc/varlen_attention.cpp``; the CPU default): per sequence
+  and KV head, vectorised over keys, no padding; the same registered ops.
 - ``"cpu_flash"``: torch's fused CPU flash-attention kernel on padded batches of sequences of
-  similar length (the CPU default; the same registered ops).
+  similar length (the same registered ops).
 - ``"torch"``: torch's own varlen attention (``torch.nn.attention.varlen``, CUDA).
 - ``"flash_attn"``: flash-attn's ``flash_attn_varlen_func`` when installed (CUDA).
 - ``"triton"``: our Triton kernel, registered by ``agentrl_fast.ops.varlen_attention_triton``.
 
-Backends of kind ``"op"`` (reference, cpu_flash, triton) provide ``forward``/``backward`` functions that write
+Backends of kind ``"op"`` (reference, native, cpu_flash, triton) provide ``forward``/``backward`` functions that write
 into preallocated outputs and run inside our registered ops; backends of kind ``"autograd"``
 (torch, flash_attn) are differentiable functions called directly (they are registered ops of
 their own libraries, so ``torch.compile`` traces them too).
@@ -64,7 +66,7 @@ class Backend:
 BACKENDS: dict[str, Backend] = {}
 # "auto" takes the first available, per device type.
 AUTO_ORDER = {"cuda": ("triton", "flash_attn", "torch", "reference"),
-              "cpu": ("cpu_flash", "reference")}
+              "cpu": ("native", "cpu_flash", "reference")}
 
 
 def register_backend(backend: Backend) -> None:
@@ -96,6 +98,8 @@ def resolve_backend(backend: str, device: torch.device, q: torch.Tensor | None =
         order = AUTO_ORDER.get(device.type, ("reference",))
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
             order = ("triton",) + tuple(order)  # how the tests run Triton kernels on the CPU
+        if device.type == "cpu" and not _native_vectorised():
+            order = tuple(name for name in order if name != "native") + ("native",)
         for name in order:
             if name in BACKENDS and why_not(name) is None:
                 return name
@@ -194,6 +198,45 @@ def _reference_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal,
 
 register_backend(Backend("reference", "op", lambda device: None, forward=_reference_forward,
                          backward=_reference_backward))
+
+
+# ---------------------------------------------------------------------------------------------
+# The "native" backend: our C++ kernel (csrc/varlen_attention.cpp), CPU only.
+
+def _native_unavailable(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return "it runs on the CPU only"
+    from agentrl_fast import _native
+    if not _native.has_kernel("varlen_attention_cpu_out", "CPU"):
+        return ("the installed agentrl_fast._C has no varlen_attention_cpu_out kernel (rebuild: "
+                "pip install --no-build-isolation -e .)")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _native_vectorised() -> bool:
+    """Whether the native kernel runs its AVX2 + FMA build; its baseline build (x86-64 without
+    them, AGENTRL_FAST_CPU_BASELINE=1) is slower than cpu_flash, so "auto" then prefers that."""
+    from agentrl_fast import _native
+    uses_avx2 = getattr(_native._C, "varlen_attention_cpu_uses_avx2", None)  # None: an old build
+    return uses_avx2 is not None and bool(uses_avx2())
+
+
+def _native_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic, out, lse):
+    torch.ops.agentrl_fast.varlen_attention_cpu_out(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                    cu_seqlens, causal, scale, out, lse)
+
+
+def _native_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale,
+                     deterministic, dq, dk, dv):
+    # Deterministic always: one thread writes a sequence's dk, dv (no atomics).
+    torch.ops.agentrl_fast.varlen_attention_cpu_backward_out(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+        lse.contiguous(), cu_seqlens, causal, scale, dq, dk, dv)
+
+
+register_backend(Backend("native", "op", _native_unavailable, forward=_native_forward,
+                         backward=_native_backward))
 
 
 # ---------------------------------------------------------------------------------------------
