@@ -30,7 +30,8 @@ Mixes (``--mix``): "uniform" (lengths uniform in a range), "long-tail" (log-unif
 262144 tokens, 32 query / 8 KV heads, head dim 128, bfloat16. ``--tiny``: 2048 tokens, 4 / 2
 heads, head dim 64, float32 (bf16 matrix products are slow on the CPU), one CPU thread (the dry
 run checks the plumbing; one thread stays fast on a shared CI box). ``--device cpu``: 8192
-tokens, 8 / 2 heads, head dim 64, float32.
+tokens, 8 / 2 heads, head dim 64, float32. ``--sizes main-job``: the default training run's
+micro-batches (16384 tokens in sequences of at most 200, 4 / 2 heads of 16).
 
 FLOPs are counted as flash-attention counts them: forward ``4 * sum(L^2) * Hq * D``, halved
 when causal; backward 2.5x the forward, so forward+backward is 3.5x. TFLOP/s are also stated
@@ -103,6 +104,9 @@ SIZES = {
     "cuda": Sizes((65536, 262144), 32, 8, 128, (512, 4096), (64, 32768), (128, 320), (8192, 16384)),
     "cpu": Sizes((8192,), 8, 2, 64, (128, 1024), (64, 4096), (128, 320), (1024, 2048)),
     "tiny": Sizes((2048,), 4, 2, 64, (32, 256), (16, 1024), (24, 64), (256, 512)),
+    # The default `agentrl-fast train` run's micro-batches: sub-traces of at most 200 tokens,
+    # the tiny policy's 4 / 2 heads of 16.
+    "main-job": Sizes((16384,), 4, 2, 16, (40, 200), (8, 200), (24, 64), (150, 200)),
 }
 
 
@@ -616,7 +620,7 @@ def run(args: argparse.Namespace) -> tuple[list[common.Row], list[str]]:
     threads = args.threads if args.threads is not None else (1 if args.tiny else None)
     if device.type == "cpu" and threads:
         torch.set_num_threads(threads)
-    sizes = SIZES["tiny" if args.tiny else device.type]
+    sizes = SIZES[args.sizes or ("tiny" if args.tiny else device.type)]
     if args.totals:
         sizes = dataclasses.replace(sizes, totals=tuple(args.totals))
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" and not args.tiny
@@ -675,6 +679,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default bfloat16 on CUDA, float32 on the CPU and with --tiny")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (CI dry run)")
+    parser.add_argument("--sizes", choices=("main-job",), default=None,
+                        help="main-job: the default training run's shapes (16384 tokens in "
+                             "sequences of <= 200, 4 / 2 heads of 16)")
     parser.add_argument("--out", default=None,
                         help="folder for varlen_attention.jsonl (default bench/results)")
     parser.add_argument("--seed", type=int, default=0)

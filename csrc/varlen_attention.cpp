@@ -21,8 +21,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 

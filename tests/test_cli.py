@@ -44,6 +44,7 @@ def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
     assert (run_dir / "export" / "policy" / "config.json").exists()
     summary = (run_dir / "summary.txt").read_text()
     assert "final_success:" in summary and "warmstart_success:" in summary
+    assert "seconds:" in summary and "rl_seconds:" in summary
     assert load_config(run_dir / "config.yaml").train.steps == 2
     # eval of the run's latest checkpoint prints a table.
     evaluated = cli("eval", "--run-dir", str(run_dir), "--tasks", "4")

@@ -271,10 +271,12 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
         if main:
             outputs.write("eval", 0, before)
             warm_file.write_text(json.dumps(before))
-        print_fn(f"warm-start eval: success {before['success']:.3f}, reward {before['reward']:.3f}")
+        print_fn(f"warm-start eval: success {before['success']:.3f}, reward {before['reward']:.3f} "
+                 f"({time.perf_counter() - start:.0f} s since the start)")
     if world is not None:
         world.barrier()  # warmstart.json is written
     before = json.loads(warm_file.read_text())
+    rl_start = time.perf_counter()
     trainer = Trainer(policy, chat, environment, train, log=print_fn, world=world)
     if resuming and main:
         _forget_steps_after(run_dir / "metrics.jsonl", trainer.step_index)
@@ -309,6 +311,7 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
                "eval_tasks": config.eval.tasks, "warmstart_success": before["success"],
                "warmstart_reward": before["reward"], "final_success": after["success"],
                "final_reward": after["reward"], "seconds": time.perf_counter() - start,
+               "rl_seconds": time.perf_counter() - rl_start,  # this process's RL phase and eval
                "ranks": world.size if world is not None else 1}
     if not main:
         return summary
