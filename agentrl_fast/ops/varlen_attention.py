@@ -203,11 +203,22 @@ register_backend(Backend("reference", "op", lambda device: None, forward=_refere
 # ---------------------------------------------------------------------------------------------
 # The "native" backend: our C++ kernel (csrc/varlen_attention.cpp), CPU only.
 
+def _native_extension():
+    """agentrl_fast._native, or None when the extension cannot be loaded."""
+    try:
+        from agentrl_fast import _native
+    except ImportError:
+        return None
+    return _native
+
+
 def _native_unavailable(device: torch.device) -> str | None:
     if device.type != "cpu":
         return "it runs on the CPU only"
-    from agentrl_fast import _native
-    if not _native.has_kernel("varlen_attention_cpu_out", "CPU"):
+    native = _native_extension()
+    if native is None:
+        return "the native extension agentrl_fast._C is not built"
+    if not native.has_kernel("varlen_attention_cpu_out", "CPU"):
         return ("the installed agentrl_fast._C has no varlen_attention_cpu_out kernel (rebuild: "
                 "pip install --no-build-isolation -e .)")
     return None
@@ -217,8 +228,8 @@ def _native_unavailable(device: torch.device) -> str | None:
 def _native_vectorised() -> bool:
     """Whether the native kernel runs its AVX2 + FMA build; its baseline build (x86-64 without
     them, AGENTRL_FAST_CPU_BASELINE=1) is slower than cpu_flash, so "auto" then prefers that."""
-    from agentrl_fast import _native
-    uses_avx2 = getattr(_native._C, "varlen_attention_cpu_uses_avx2", None)  # None: an old build
+    native = _native_extension()
+    uses_avx2 = getattr(getattr(native, "_C", None), "varlen_attention_cpu_uses_avx2", None)
     return uses_avx2 is not None and bool(uses_avx2())
 
 
