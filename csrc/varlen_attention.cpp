@@ -82,11 +82,12 @@ AGENTRL_FAST_INLINE vf vector_exp(vf x) {
   return y * (vf)bits;  // a same-size vector cast reinterprets the bits
 }
 
-// Lanes j >= n of the vector of keys b * kWidth .. set to `fill`.
+// Lanes j >= n of the vector of keys b * kWidth .. set to `fill` (lane counts in 64 bits: no
+// overflow whatever the length).
 AGENTRL_FAST_INLINE vf mask_tail(vf x, int64_t b, int64_t n, float fill) {
   const vi lane = {0, 1, 2, 3, 4, 5, 6, 7};
-  const vi j = lane + static_cast<int32_t>(b * kWidth);
-  return j < static_cast<int32_t>(n) ? x : splat(fill);
+  const int32_t valid = static_cast<int32_t>(std::clamp<int64_t>(n - b * kWidth, 0, kWidth));
+  return lane < valid ? x : splat(fill);
 }
 
 // s[b] = scale * sum_x a[x] * bt[x][b * kWidth ..] for the vectors of keys b < nb; four vectors
@@ -419,7 +420,7 @@ void check_rows(const at::Tensor& t, const char* name, const at::Tensor& q) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
   TORCH_CHECK_VALUE(t.dim() == 3, name, " must be 3-D [T, heads, head_dim], got shape ",
                     t.sizes());
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
   TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), name, " must have q's dtype ",
                    q.scalar_type(), ", got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.size(0) == q.size(0) && t.size(2) == q.size(2), name,
@@ -441,17 +442,20 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     "q's heads must be a multiple of k's, got ", q.size(1), " and ", k.size(1));
   TORCH_CHECK_VALUE(q.size(2) >= 1 && q.size(2) <= kMaxHeadDim, "head_dim must be in [1, ",
                     kMaxHeadDim, "], got ", q.size(2));
-  TORCH_CHECK_VALUE(cu_seqlens.device().is_cpu() && cu_seqlens.dim() == 1 &&
-                        cu_seqlens.numel() >= 1 &&
-                        (cu_seqlens.scalar_type() == at::kInt ||
-                         cu_seqlens.scalar_type() == at::kLong),
-                    "cu_seqlens must be a 1-D int32/int64 CPU tensor with at least one element");
+  TORCH_CHECK_VALUE(cu_seqlens.device().is_cpu(), "cu_seqlens must be on the CPU, got ",
+                    cu_seqlens.device());
+  TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1,
+                    "cu_seqlens must be 1-D with at least one element, got shape ",
+                    cu_seqlens.sizes());
+  TORCH_CHECK_TYPE(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong,
+                   "cu_seqlens must be int32 or int64, got ", cu_seqlens.scalar_type());
 }
 
 void check_output(const at::Tensor& t, const char* name, at::IntArrayRef shape,
                   at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() && t.is_contiguous() && t.sizes() == shape, name,
-                    " must be a contiguous CPU tensor of shape ", shape, ", got ", t.sizes());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK_VALUE(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", dtype, ", got ",
                    t.scalar_type());
 }

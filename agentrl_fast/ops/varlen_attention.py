@@ -96,10 +96,10 @@ def resolve_backend(backend: str, device: torch.device, q: torch.Tensor | None =
 
     if backend == "auto":
         order = AUTO_ORDER.get(device.type, ("reference",))
+        if device.type == "cpu" and not _native_vectorised():  # native's baseline build:
+            order = ("cpu_flash", "native", "reference")  # slower than cpu_flash, not reference
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
             order = ("triton",) + tuple(order)  # how the tests run Triton kernels on the CPU
-        if device.type == "cpu" and not _native_vectorised():
-            order = tuple(name for name in order if name != "native") + ("native",)
         for name in order:
             if name in BACKENDS and why_not(name) is None:
                 return name
