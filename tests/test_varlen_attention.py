@@ -474,8 +474,8 @@ def test_lse_is_not_differentiable(backend, request):
 def test_auto_resolves_to_native_on_cpu(monkeypatch):
     """auto on the CPU is our kernel where its AVX2 + FMA build runs (cpu_flash otherwise:
     test_native_baseline_build_matches_float64)."""
-    from agentrl_fast.ops.varlen_attention import _native_vectorised
-    if not _native_vectorised():
+    from agentrl_fast.ops.varlen_attention import _NATIVE_VECTORISED
+    if not _NATIVE_VECTORISED:
         pytest.skip("this CPU runs the native kernel's baseline build (no AVX2 + FMA)")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert {"reference", "native", "cpu_flash"} <= set(available_backends("cpu"))

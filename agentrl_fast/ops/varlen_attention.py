@@ -96,7 +96,7 @@ def resolve_backend(backend: str, device: torch.device, q: torch.Tensor | None =
 
     if backend == "auto":
         order = AUTO_ORDER.get(device.type, ("reference",))
-        if device.type == "cpu" and not _native_vectorised():  # native's baseline build:
+        if device.type == "cpu" and not _NATIVE_VECTORISED:  # native's baseline build:
             order = ("cpu_flash", "native", "reference")  # slower than cpu_flash, not reference
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
             order = ("triton",) + tuple(order)  # how the tests run Triton kernels on the CPU
@@ -203,34 +203,27 @@ register_backend(Backend("reference", "op", lambda device: None, forward=_refere
 # ---------------------------------------------------------------------------------------------
 # The "native" backend: our C++ kernel (csrc/varlen_attention.cpp), CPU only.
 
-def _native_extension():
-    """agentrl_fast._native, or None when the extension cannot be loaded."""
+def _native_status() -> tuple[str | None, bool]:
+    """(why the native kernel cannot run on the CPU, or None; whether it runs its AVX2 + FMA
+    build). Its baseline build (x86-64 without AVX2 + FMA, other CPUs,
+    AGENTRL_FAST_CPU_BASELINE=1) is slower than cpu_flash, so "auto" then prefers that. Read
+    once at import: ``torch.compile`` traces ``resolve_backend`` and cannot call into the
+    extension."""
     try:
         from agentrl_fast import _native
     except ImportError:
-        return None
-    return _native
+        return "the native extension agentrl_fast._C is not built", False
+    if not _native.has_kernel("varlen_attention_cpu_out", "CPU"):
+        return ("the installed agentrl_fast._C has no varlen_attention_cpu_out kernel (rebuild: "
+                "pip install --no-build-isolation -e .)"), False
+    return None, bool(_native._C.varlen_attention_cpu_uses_avx2())
+
+
+_NATIVE_UNAVAILABLE, _NATIVE_VECTORISED = _native_status()
 
 
 def _native_unavailable(device: torch.device) -> str | None:
-    if device.type != "cpu":
-        return "it runs on the CPU only"
-    native = _native_extension()
-    if native is None:
-        return "the native extension agentrl_fast._C is not built"
-    if not native.has_kernel("varlen_attention_cpu_out", "CPU"):
-        return ("the installed agentrl_fast._C has no varlen_attention_cpu_out kernel (rebuild: "
-                "pip install --no-build-isolation -e .)")
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _native_vectorised() -> bool:
-    """Whether the native kernel runs its AVX2 + FMA build; its baseline build (x86-64 without
-    them, AGENTRL_FAST_CPU_BASELINE=1) is slower than cpu_flash, so "auto" then prefers that."""
-    native = _native_extension()
-    uses_avx2 = getattr(getattr(native, "_C", None), "varlen_attention_cpu_uses_avx2", None)
-    return uses_avx2 is not None and bool(uses_avx2())
+    return "it runs on the CPU only" if device.type != "cpu" else _NATIVE_UNAVAILABLE
 
 
 def _native_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic, out, lse):
