@@ -295,31 +295,27 @@ int vectors_for(int64_t head_dim) {
   return nv;
 }
 
-#define AGENTRL_FAST_PICK(KIND, NV) \
-  (use_avx2() ? KIND##_rows_avx2_##NV : KIND##_rows_base_##NV)
+// The row loops of a vector count, in the build use_avx2() picks.
+struct RowKernels {
+  void (*forward)(const TaskShape&, const ForwardBuffers&);
+  void (*backward)(const TaskShape&, const BackwardBuffers&);
+};
 
-void run_forward_rows(int nv, const TaskShape& t, const ForwardBuffers& m) {
-  switch (nv) {
-    case 1: return AGENTRL_FAST_PICK(forward, 1)(t, m);
-    case 2: return AGENTRL_FAST_PICK(forward, 2)(t, m);
-    case 4: return AGENTRL_FAST_PICK(forward, 4)(t, m);
-    case 8: return AGENTRL_FAST_PICK(forward, 8)(t, m);
-    case 16: return AGENTRL_FAST_PICK(forward, 16)(t, m);
-    default: return AGENTRL_FAST_PICK(forward, 32)(t, m);
-  }
+const RowKernels& row_kernels(int nv) {
+#define AGENTRL_FAST_KERNELS(BUILD)                                                  \
+  {{forward_rows_##BUILD##_1, backward_rows_##BUILD##_1},                           \
+   {forward_rows_##BUILD##_2, backward_rows_##BUILD##_2},                           \
+   {forward_rows_##BUILD##_4, backward_rows_##BUILD##_4},                           \
+   {forward_rows_##BUILD##_8, backward_rows_##BUILD##_8},                           \
+   {forward_rows_##BUILD##_16, backward_rows_##BUILD##_16},                         \
+   {forward_rows_##BUILD##_32, backward_rows_##BUILD##_32}}
+  static const RowKernels avx2[] = AGENTRL_FAST_KERNELS(avx2);
+  static const RowKernels base[] = AGENTRL_FAST_KERNELS(base);
+#undef AGENTRL_FAST_KERNELS
+  int index = 0;  // log2(nv), nv a power of two <= 32 (vectors_for)
+  while ((1 << index) < nv) ++index;
+  return (use_avx2() ? avx2 : base)[index];
 }
-
-void run_backward_rows(int nv, const TaskShape& t, const BackwardBuffers& m) {
-  switch (nv) {
-    case 1: return AGENTRL_FAST_PICK(backward, 1)(t, m);
-    case 2: return AGENTRL_FAST_PICK(backward, 2)(t, m);
-    case 4: return AGENTRL_FAST_PICK(backward, 4)(t, m);
-    case 8: return AGENTRL_FAST_PICK(backward, 8)(t, m);
-    case 16: return AGENTRL_FAST_PICK(backward, 16)(t, m);
-    default: return AGENTRL_FAST_PICK(backward, 32)(t, m);
-  }
-}
-#undef AGENTRL_FAST_PICK
 
 // ---------------------------------------------------------------------------------------------
 // Tasks, threads, and the copies between the packed tensors and a task's buffers.
@@ -491,8 +487,8 @@ void varlen_attention_cpu_out(const at::Tensor& q, const at::Tensor& k, const at
       vr.gather(task, task.kv_head, dp, vb.data());
       const TaskShape shape{groups, L, lp, static_cast<int>(D), causal,
                             static_cast<float>(scale)};
-      run_forward_rows(nv, shape, {qb.data(), kt.data(), vb.data(), ob.data(), lb.data(),
-                                   row.data()});
+      row_kernels(nv).forward(shape, {qb.data(), kt.data(), vb.data(), ob.data(), lb.data(),
+                                      row.data()});
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t h = task.kv_head * groups + g;
         scatter(ob.data() + g * L * dp, task, h, Hq, D, dp, out_data);
@@ -551,9 +547,9 @@ void varlen_attention_cpu_backward_out(const at::Tensor& dout, const at::Tensor&
       kr.gather(task, task.kv_head, dp, kb.data());
       const TaskShape shape{groups, L, lp, static_cast<int>(D), causal,
                             static_cast<float>(scale)};
-      run_backward_rows(nv, shape, {qb.data(), dob.data(), ob.data(), lb.data(), kt.data(),
-                                    vt.data(), kb.data(), dqb.data(), dkb.data(), dvb.data(),
-                                    p.data(), ds.data()});
+      row_kernels(nv).backward(shape, {qb.data(), dob.data(), ob.data(), lb.data(), kt.data(),
+                                       vt.data(), kb.data(), dqb.data(), dkb.data(),
+                                       dvb.data(), p.data(), ds.data()});
       for (int64_t g = 0; g < groups; ++g) {
         scatter(dqb.data() + g * L * dp, task, task.kv_head * groups + g, Hq, D, dp, dq_data);
       }

@@ -494,7 +494,7 @@ def test_native_baseline_build_matches_float64():
     import subprocess
     import sys
     import textwrap
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import torch
         from agentrl_fast import _native
         from agentrl_fast.ops.varlen_attention import resolve_backend
