@@ -217,6 +217,124 @@ def test_max_batch_size_chunks_give_the_same_results(flat, max_batch_size):
 
 
 # ---------------------------------------------------------------------------------------------
+# 2b. Prefix cache: a turn that extends the last one prefills only its new tokens
+
+
+class _PrefillWidths:
+    """The ``input_ids`` width of every multi-token forward (the prefills) of a model."""
+
+    def __init__(self, model):
+        self.widths = []
+        self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids.shape[1] > 1 or not self.widths:
+            self.widths.append(ids.shape[1])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+
+
+def _turns(model, generator, prompts, sampling, turns: int, seed: int):
+    """``turns`` calls, each prompt extended by its output and fresh random tokens (a tool
+    response), as the rollout engine does; the outputs of every call."""
+    extra = torch.Generator().manual_seed(seed)
+    prompts, calls = [list(p) for p in prompts], []
+    for turn in range(turns):
+        out = generator.generate(prompts, sampling, seeds=[seed + 10 * turn + i for i in range(len(prompts))])
+        calls.append(out)
+        prompts = [p + g.ids + torch.randint(1, VOCAB, (1 + (turn + i) % 4,), generator=extra).tolist()
+                   for i, (p, g) in enumerate(zip(prompts, out))]
+    return calls
+
+
+@pytest.mark.parametrize("temperature,stop_ids", [(0.8, (5, 6, 7)), (0.0, ()), (1.0, (3,))])
+def test_prefix_cache_gives_the_uncached_outputs(peaked, temperature, stop_ids):
+    prompts = _prompts((1, 2, 17, 40, 5), seed=6)
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=7, stop_ids=stop_ids)
+    cached = TorchGenerator(peaked)
+    plain = TorchGenerator(peaked, prefix_cache_bytes=0)
+    with _PrefillWidths(peaked) as widths:
+        got = _turns(peaked, cached, prompts, sampling, turns=5, seed=1)
+    want = _turns(peaked, plain, prompts, sampling, turns=5, seed=1)
+    for turn, (g, w) in enumerate(zip(got, want)):
+        _assert_same_ids(g, w, f"turn {turn}")
+    assert not plain.prefix_cache.entries
+    assert len(cached.prefix_cache.entries) == len(prompts)  # the superseded ones were dropped
+    # from the second turn on only new tokens are prefilled: at most a turn's new tokens
+    # (fresh tokens 1-4) plus its last sampled id, against 40+ for a whole prompt
+    assert widths.widths[0] == 40 and max(widths.widths[1:]) <= 5, widths.widths
+
+
+def test_prefix_cache_mixes_hits_misses_shared_starts_and_whole_kept_prompts(peaked):
+    sampling = SamplingParams(temperature=0.9, max_new_tokens=1)
+    first = _prompts((9, 30), seed=8)
+    generator = TorchGenerator(peaked)
+    out = generator.generate(first, sampling, seeds=[1, 2])
+    # kept: each prompt with its one id dropped (the last id is never fed); the same prompts
+    # again are kept sequences in full, cut to all but their last token; a new prompt misses
+    # a prompt that leaves a kept sequence after 25 tokens (a new sub-trace after a compaction)
+    # reuses those 25
+    prompts = [first[0], first[1] + out[1].ids + [4, 5], _prompts((13,), seed=9)[0], [7],
+               first[1][:25] + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+    seeds = [3, 4, 5, 6, 7]
+    sampling = SamplingParams(temperature=0.9, max_new_tokens=6)
+    with _PrefillWidths(peaked) as widths:
+        got = generator.generate(prompts, sampling, seeds=seeds)
+    assert widths.widths[0] == 13, widths.widths  # the miss is the widest tail
+    _assert_same_ids(got, TorchGenerator(peaked, prefix_cache_bytes=0).generate(prompts, sampling, seeds=seeds),
+                     "hits, misses, a whole kept prompt, a one-token prompt, a shared start")
+
+
+def test_prefix_cache_is_dropped_when_the_weights_change():
+    model = _tiny_model("qwen3", init=0.2, seed=3)
+    prompts = _prompts((6, 11), seed=2)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=5)
+    generator = TorchGenerator(model)
+    out = generator.generate(prompts, sampling, seeds=[0, 1])
+    nxt = [p + g.ids + [9] for p, g in zip(prompts, out)]
+
+    def check(what):
+        with _PrefillWidths(model) as widths:
+            got = generator.generate(nxt, sampling, seeds=[0, 1])
+        assert widths.widths[0] == max(map(len, nxt)), f"{what}: served stale keys ({widths.widths})"
+        _assert_same_ids(got, TorchGenerator(model, prefix_cache_bytes=0).generate(nxt, sampling, seeds=[0, 1]),
+                         what)
+
+    with torch.no_grad():  # an optimizer-like in-place step
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    check("after an in-place update")
+    generator.generate(prompts, sampling, seeds=[0, 1])
+    model.load_state_dict({k: v + 0.01 for k, v in model.state_dict().items()})
+    check("after load_state_dict")
+
+
+def test_prefix_cache_capacity():
+    model = _tiny_model("qwen3", layers=1)
+    prompts = _prompts((30, 20, 10), seed=4)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4)
+    per_token = 2 * 2 * 16 * 4  # one layer: keys and values, 2 kv heads of 16 floats
+    generator = TorchGenerator(model, prefix_cache_bytes=40 * per_token)
+    generator.generate(prompts, sampling, seeds=[0, 1, 2])
+    cache = generator.prefix_cache
+    # 33 + 23 + 13 positions do not fit in 40: the oldest rows went first
+    assert cache.bytes <= 40 * per_token
+    assert sorted(len(k) for k in cache.entries) == [13, 23]
+    assert cache.bytes == sum(len(k) for k in cache.entries) * per_token
+    tiny = TorchGenerator(model, prefix_cache_bytes=per_token)  # no row fits: nothing kept
+    tiny.generate(prompts, sampling, seeds=[0, 1, 2])
+    assert not tiny.prefix_cache.entries and tiny.prefix_cache.bytes == 0
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="prefix_cache_bytes must be an int >= 0"):
+            TorchGenerator(model, prefix_cache_bytes=bad)
+
+
+# ---------------------------------------------------------------------------------------------
 # 3. Stops
 
 

@@ -136,7 +136,8 @@ def test_same_seed_same_rollouts(env, chat, model):
     first, second = engine.run(tasks, seed=11), engine.run(tasks, seed=11)
     other = engine.run(tasks, seed=12)
     flat = lambda ts: [(s.ids, s.logprobs, s.rewards, s.end) for t in ts for s in t.sub_traces]
-    assert flat(first) == flat(second)
+    assert flat(first) == flat(second)  # the second run did not reuse the first's prefix cache
+    assert generator.prefix_cache.entries, "later turns did not extend kept sequences"
     assert flat(first) != flat(other)
     assert [t.rollout_id for t in first] == [f"11/{t.id}/{m}" for t in tasks for m in range(4)]
     # A rollout's tokens do not depend on which other rollouts share its batches (per-sequence

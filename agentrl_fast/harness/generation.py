@@ -4,8 +4,16 @@ sampling with a KV cache for Hugging Face causal LMs.
 Sampling log-probs (DESIGN.md): ``log_softmax(logits / temperature)`` of the sampled token,
 before top-k/top-p truncation, so they equal the trainer's recomputed log-probs at the same
 temperature up to float rounding. Each sequence samples from its own ``torch.Generator`` seeded
-by the caller, so a sequence's tokens do not depend on which other sequences share its batch;
-with the same seeds the same ids come out (on the CPU, bit for bit).
+by the caller (one uniform per token, inverted through the batch's cumulative distribution), so
+a sequence's tokens do not depend on which other sequences share its batch; with the same seeds
+the same ids come out (on the CPU, bit for bit, for the same cached prefixes).
+
+Prefix cache: a multi-turn rollout calls ``generate`` once per turn with a prompt that extends
+the previous call's prompt and output. :class:`TorchGenerator` keeps each finished row's keys and
+values (up to ``prefix_cache_bytes``, least recently used first out) and prefills only the new
+tail of a prompt that extends a kept sequence, as vLLM's automatic prefix caching does. The
+cache is dropped whenever a parameter of the model changes (an optimizer step, a
+``load_state_dict``), so it never serves keys of other weights.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
@@ -93,27 +102,116 @@ def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams
     return logprobs, filtered
 
 
+def sample_tokens(filtered: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``filtered [B, V]`` (log-probs, ``-inf`` outside the kept set), drawn
+    by inverting the row's cumulative distribution at one float64 uniform from
+    ``generators[row]``; on the CPU, ``int64 [B]``."""
+    probs = filtered.double().exp().cpu()
+    cdf = probs.cumsum(-1)
+    uniform = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in generators])
+    tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
+    # u * total may round up to the total: fall back to the last token with mass.
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(tokens, last)
+
+
+class _PrefixCache:
+    """Keys and values of finished rows (``tuple(ids) -> [(K, V) per layer]``, each ``[H_kv,
+    len(ids), D]``), least recently used first out beyond ``capacity`` bytes; valid for one
+    state of the model's parameters. A prompt reuses the kept sequence it shares the longest
+    prefix with (a new sub-trace shares the system prompt and task with its rollout's last)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.entries: OrderedDict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.bytes = 0
+        self.stamp = None
+        self._table: tuple[list[tuple], torch.Tensor] | None = None  # keys, [E, L] ids, -1 pads
+
+    @staticmethod
+    def _size(kv) -> int:
+        return sum(t.numel() * t.element_size() for pair in kv for t in pair)
+
+    def validate(self, model: torch.nn.Module) -> None:
+        """Drop every entry if a parameter was replaced or changed in place since the last call."""
+        stamp = tuple((id(p), p._version) for p in model.parameters())
+        if stamp != self.stamp:
+            self.entries.clear()
+            self.bytes, self.stamp, self._table = 0, stamp, None
+
+    def longest_prefix(self, prompt: list[int]) -> tuple[int, tuple | None, list | None]:
+        """``(n, key, kv)``: the kept sequence ``key`` sharing the longest prefix with
+        ``prompt``, its ``n`` shared positions (at most ``len(prompt) - 1``: the last prompt
+        token is always fed) and their keys and values; ``(0, None, None)`` if none shares one."""
+        if not self.entries or len(prompt) < 2:
+            return 0, None, None
+        if self._table is None:
+            keys = list(self.entries)
+            table = torch.full((len(keys), max(map(len, keys))), -1, dtype=torch.long)
+            for i, key in enumerate(keys):
+                table[i, :len(key)] = torch.tensor(key)
+            self._table = keys, table
+        keys, table = self._table
+        width = min(table.shape[1], len(prompt) - 1)
+        shared = (table[:, :width] == torch.tensor(prompt[:width])).cumprod(-1).sum(-1)
+        best = int(shared.argmax())
+        n = int(shared[best])
+        if n == 0:
+            return 0, None, None
+        key = keys[best]
+        self.entries.move_to_end(key)
+        return n, key, [(k[:, :n], v[:, :n]) for k, v in self.entries[key]]
+
+    def discard(self, key: tuple) -> None:
+        kv = self.entries.pop(key, None)
+        if kv is not None:
+            self.bytes -= self._size(kv)
+            self._table = None
+
+    def put(self, key: tuple, kv: list) -> None:
+        size = self._size(kv)
+        if not key or size > self.capacity:
+            return
+        self.discard(key)
+        self.entries[key] = kv
+        self.bytes += size
+        self._table = None
+        while self.bytes > self.capacity:
+            self.discard(next(iter(self.entries)))
+
+
 class TorchGenerator:
     """Batched sampling with a KV cache for an HF causal LM (``model(input_ids, attention_mask,
     position_ids, cache) -> logits``), prompts left-padded in one batch per call (chunks of
-    ``max_batch_size``)."""
+    ``max_batch_size``); a prompt that extends an earlier call's prompt and output prefills only
+    its new tokens (``prefix_cache_bytes`` of kept keys and values; 0 turns it off)."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int = 0, max_batch_size: int = 64):
+    def __init__(self, model: torch.nn.Module, pad_id: int = 0, max_batch_size: int = 64,
+                 prefix_cache_bytes: int = 1 << 30):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TorchGenerator: model must be a torch.nn.Module (an HF causal LM), "
                             f"got {type(model).__name__}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"TorchGenerator: max_batch_size must be an int >= 1, "
                              f"got {max_batch_size!r}")
+        if not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
+            raise ValueError(f"TorchGenerator: prefix_cache_bytes must be an int >= 0 (0: off), "
+                             f"got {prefix_cache_bytes!r}")
         self.model = model
         self.pad_id = int(pad_id)
         self.max_batch_size = max_batch_size
+        self.prefix_cache = _PrefixCache(prefix_cache_bytes)
         parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every kept sequence (the rollout engine does at the start of each run, so a run
+        gives the same log-probs, bit for bit, whatever ran before it)."""
+        self.prefix_cache = _PrefixCache(self.prefix_cache.capacity)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                  seeds: Sequence[int] | None = None) -> list[Generation]:
@@ -143,6 +241,8 @@ class TorchGenerator:
         if len(seeds) != len(prompts):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
         out: list[Generation] = []
+        if self.prefix_cache.capacity:
+            self.prefix_cache.validate(self.model)
         with self._generation_mode():
             for start in range(0, len(prompts), self.max_batch_size):
                 stop = start + self.max_batch_size
@@ -168,23 +268,53 @@ class TorchGenerator:
             if switch:
                 model.set_attn_implementation(attention)
 
+    def _caches_plain_layers(self) -> bool:
+        """Whether the model's cache is one plain (full-attention) layer per decoder layer, the
+        layout the prefix cache copies rows out of and into."""
+        if not hasattr(self, "_plain_layers"):
+            from transformers import DynamicCache
+            from transformers.cache_utils import DynamicLayer
+            layers = DynamicCache(config=self.model.config).layers
+            self._plain_layers = bool(layers) and all(type(x) is DynamicLayer for x in layers)
+        return self._plain_layers
+
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams,
                         seeds: list[int]) -> list[Generation]:
         from transformers import DynamicCache
 
         device = self.device
-        batch, width = len(prompts), max(len(p) for p in prompts)
+        caching = self.prefix_cache.capacity > 0 and self._caches_plain_layers()
+        hits = [self.prefix_cache.longest_prefix(p) if caching else (0, None, None)
+                for p in prompts]
+        # Layout: [kept keys, right-aligned | new prompt tokens, right-aligned], masks mark both.
+        batch, cached = len(prompts), max(n for n, _, _ in hits)
+        width = max(len(p) - n for p, (n, _, _) in zip(prompts, hits))
         input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt):] = 1
+        attention_mask = torch.zeros((batch, cached + width), dtype=torch.long)
+        position_ids = torch.zeros((batch, width), dtype=torch.long)
+        for row, (prompt, (n, _, _)) in enumerate(zip(prompts, hits)):
+            tail = len(prompt) - n
+            input_ids[row, width - tail:] = torch.tensor(prompt[n:])
+            attention_mask[row, cached - n:cached] = 1
+            attention_mask[row, cached + width - tail:] = 1
+            position_ids[row, width - tail:] = torch.arange(n, len(prompt))
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        position_ids = position_ids.to(device)
+        data = None
+        if cached:
+            data = []
+            for layer, (k, _) in enumerate(next(kv for _, _, kv in hits if kv is not None)):
+                keys = k.new_zeros(batch, k.shape[0], cached, k.shape[-1])
+                values = torch.zeros_like(keys)
+                for row, (n, _, kv) in enumerate(hits):
+                    if n:
+                        keys[row, :, cached - n:] = kv[layer][0]
+                        values[row, :, cached - n:] = kv[layer][1]
+                data.append((keys, values))
+        cache = DynamicCache(data, config=self.model.config)
         generators = [torch.Generator(device="cpu").manual_seed(int(s) % (2 ** 63)) for s in seeds]
         stops = torch.tensor(sampling.stop_ids or [-1], device=device)
-        cache = DynamicCache(config=self.model.config)
         ids: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         finished = [False] * batch
@@ -193,14 +323,25 @@ class TorchGenerator:
                             position_ids=position_ids, use_cache=True, logits_to_keep=1,
                             **{self._cache_argument: cache}).logits[:, -1]
         rows = list(range(batch))  # the prompt row of each row still in the batch
+
+        def keep_rows(positions: list[int]) -> None:
+            """Put the keys and values of ``rows[k]`` for ``k`` in ``positions`` (prompt and
+            every sampled id but the last) in the prefix cache."""
+            if not caching:
+                return
+            for k in positions:
+                row = rows[k]
+                real = attention_mask[k].nonzero()[:, 0]
+                self.prefix_cache.put(tuple(prompts[row] + ids[row][:-1]),
+                                      [(x.keys[k][:, real], x.values[k][:, real])
+                                       for x in cache.layers])
+
         for step in range(sampling.max_new_tokens):
             recorded, filtered = sampling_distribution(logits, sampling)
             if sampling.temperature == 0:
                 tokens = filtered.argmax(-1).cpu()
             else:
-                probs = filtered.exp().cpu()
-                tokens = torch.stack([torch.multinomial(probs[k], 1, generator=generators[row])[0]
-                                      for k, row in enumerate(rows)])
+                tokens = sample_tokens(filtered, [generators[row] for row in rows])
             token_logprobs = recorded.cpu().gather(-1, tokens[:, None])[:, 0]
             is_stop = torch.isin(tokens.to(device), stops).cpu()
             for k, row in enumerate(rows):
@@ -210,8 +351,10 @@ class TorchGenerator:
                     finished[row], reasons[row] = True, "stop"
             keep = [k for k, row in enumerate(rows) if not finished[row]]
             if not keep or step == sampling.max_new_tokens - 1:
+                keep_rows(list(range(len(rows))))
                 break  # no forward for logits that would not be sampled from
             if len(keep) < len(rows):  # finished rows leave the batch (and the cache)
+                keep_rows([k for k, row in enumerate(rows) if finished[row]])
                 index = torch.tensor(keep, device=device)
                 cache.batch_select_indices(index)
                 attention_mask, position_ids = attention_mask[index], position_ids[index]
@@ -223,6 +366,9 @@ class TorchGenerator:
             logits = self.model(input_ids=tokens[:, None].to(device),
                                 attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=True, **{self._cache_argument: cache}).logits[:, -1]
+        for n, key, _ in hits:
+            if n and n == len(key):  # wholly extended by a sequence just kept
+                self.prefix_cache.discard(key)
         return [Generation(i, lp, r) for i, lp, r in zip(ids, logprobs, reasons)]
 
 

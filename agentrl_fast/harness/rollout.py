@@ -243,6 +243,9 @@ class RolloutEngine:
         start = time.perf_counter()
         self.stats = RolloutStats()
         self._clock = _ToolClock()
+        reset = getattr(self.generator, "reset_prefix_cache", None)
+        if reset is not None:  # a run's outputs do not depend on the runs before it
+            reset()
         rollouts = [self._start(task, sample, seed) for task in tasks
                     for sample in range(self.config.samples_per_task)]
         if self.config.schedule == "lockstep":
