@@ -117,6 +117,48 @@ def test_critic_warmup_trains_only_the_critic(chat):
     assert any(not torch.equal(v, critic_before[k]) for k, v in trainer.critic.state_dict().items())
 
 
+@pytest.mark.parametrize("critic_epochs,critic_steps", [(None, 4), (1, 2), (3, 6)])
+def test_critic_epochs_count_the_critics_passes_over_the_batch(chat, critic_epochs, critic_steps):
+    """epochs=2 x mini_batches=2: four policy updates; the critic makes ``critic_epochs`` passes
+    over the same mini-batches (None: the policy's epochs)."""
+    trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(),
+                      train_config(steps=1, critic_epochs=critic_epochs, kl_coef=0.0))
+    metrics = trainer.step()
+
+    def steps(optimizer):
+        return {int(optimizer.state[p]["step"]) for group in optimizer.param_groups
+                for p in group["params"] if p in optimizer.state}
+
+    assert steps(trainer.policy_optimizer) == {4}
+    assert steps(trainer.critic_optimizer) == {critic_steps}
+    assert metrics["value_loss"] > 0 and 0 <= metrics["value_clipfrac"] <= 1
+
+
+def test_overlapped_critic_update_matches_the_sequential_one(chat):
+    """With 2 threads the critic's scoring and updates run in a worker thread beside the
+    policy's, one thread each: the same step as one after the other, up to float rounding."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = {}
+        for overlap in (True, False):
+            trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(),
+                              train_config(steps=1, critic_epochs=3, kl_coef=0.0,
+                                           overlap_critic=overlap))
+            metrics = trainer.step()
+            assert (trainer._worker is not None) == overlap
+            assert torch.get_num_threads() == 2  # restored
+            runs[overlap] = metrics, trainer
+    finally:
+        torch.set_num_threads(threads)
+    (got, overlapped), (want, sequential) = runs[True], runs[False]
+    for key in ("value_loss", "policy_loss", "critic_grad_norm", "policy_grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    for a, b in ((overlapped.policy, sequential.policy), (overlapped.critic, sequential.critic)):
+        for (name, x), y in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=name)
+
+
 # ---------------------------------------------------------------------------------------------
 # GAE chained across sub-traces.
 
@@ -241,6 +283,7 @@ def test_config_errors():
                                 ({"micro_batch_tokens": 100}, "micro_batch_tokens (100) must be"),
                                 ({"gamma": 1.5}, "gamma must be in [0, 1]"),
                                 ({"epochs": 0}, "epochs must be an int >= 1"),
+                                ({"critic_epochs": 0}, "critic_epochs must be an int >= 1"),
                                 ({"algo": "grpo", "kl_mode": "reward"},
                                  "kl_mode='reward' needs algo='ppo'"),
                                 ({"loss_agg_mode": "seq-mean-token-sum-norm"},

@@ -12,6 +12,7 @@ lengths; nothing reads the clock except the throughput metrics.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -94,7 +95,12 @@ class TrainConfig:
     critic: str = "separate"
     value_coef: float = 0.5
     critic_warmup_steps: int = 0
-    critic_epochs: int = 1
+    # The separate critic's epochs over the batch, on the same mini-batches (verl's critic
+    # ppo_epochs); None: ``epochs``.
+    critic_epochs: int | None = None
+    # On the CPU (one process, 2+ threads): the separate critic's update of a mini-batch runs in
+    # a thread beside the policy's, each on half the intra-op threads.
+    overlap_critic: bool = True
     grpo_normalize_std: bool = True
     # Dynamic sampling (DAPO): train only on task groups whose rollouts' rewards differ, rolling
     # out up to max_rollout_rounds batches of tasks_per_step tasks to find tasks_per_step of them.
@@ -118,6 +124,8 @@ class TrainConfig:
         for name in ("steps", "tasks_per_step", "micro_batch_tokens", "mini_batches", "epochs",
                      "critic_epochs", "kl_horizon", "max_rollout_rounds"):
             value = getattr(self, name)
+            if name == "critic_epochs" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name in ("warmup_steps", "critic_warmup_steps", "checkpoint_every"):
@@ -158,6 +166,12 @@ class TrainConfig:
         if self.loss_agg_mode is not None:
             return self.loss_agg_mode
         return "rollout-mean" if self.algo == "grpo" else "token-mean"
+
+
+def _values_without_grad(critic, inputs):
+    """``critic_values`` on the CPU, out of autograd (grad mode is per thread)."""
+    with torch.no_grad():
+        return tuple(x.cpu() for x in critic_values(critic, *inputs))
 
 
 def _total_norm(norm) -> float:
@@ -265,6 +279,7 @@ class Trainer:
                                                       weight_decay=config.weight_decay)
             self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer,
                                                                       _lr_lambda(config))
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # see _beside
         self.kl_coef = config.kl_coef
         self.step_index = 0
         self.data_position = 0
@@ -350,34 +365,42 @@ class Trainer:
             scored += group
             batch = pack_sub_traces(sub_traces, group, rollout_index).to(self.device)
             inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
-            mask = batch.action_mask  # no loss reads the other tokens' log-probs
             # Results are kept on the CPU (advantages are computed there, ranks gather them).
-            if self.value_head is not None:
-                logp, hidden = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
-                                               return_hidden=True, token_mask=mask)
-                v, v_last = (x.cpu() for x in self.value_head(hidden, batch.cu_seqlens))
-                for k, (i, vi) in enumerate(zip(group, batch.split(v))):
-                    values[i], last[i] = vi, v_last[k]
-            else:
-                logp = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
-                                       token_mask=mask)
-            for i, lp in zip(group, batch.split(logp.cpu())):
-                old[i] = lp
-            if self.reference is not None:
-                for i, lp in zip(group, batch.split(policy_logprobs(
-                        self.reference, *inputs, temperature=self.temperature,
-                        token_mask=mask).cpu())):
-                    ref[i] = lp
-            if self.critic is not None:
-                v, v_last = (x.cpu() for x in critic_values(self.critic, *inputs))
-                for k, (i, vi) in enumerate(zip(group, batch.split(v))):
-                    values[i], last[i] = vi, v_last[k]
+            with self._beside(self.critic is not None) as beside:
+                critic_job = beside(_values_without_grad, self.critic, inputs) \
+                    if self.critic is not None else None
+                self._score_policy(group, batch, inputs, old, ref, values, last)
+                if critic_job is not None:
+                    v, v_last = critic_job()
+                    for k, (i, vi) in enumerate(zip(group, batch.split(v))):
+                        values[i], last[i] = vi, v_last[k]
         if self.world is not None:
             for part in self.world.all_gather({i: (old[i], ref[i], values[i], float(last[i]))
                                                for i in scored}):
                 for i, (o, r, v, lv) in part.items():
                     old[i], ref[i], values[i], last[i] = o, r, v, lv
         return old, ref, values, last
+
+    @torch.no_grad()
+    def _score_policy(self, group, batch, inputs, old, ref, values, last) -> None:
+        """Old (and reference) log-probs of a packed group; with a shared head, its values."""
+        mask = batch.action_mask  # no loss reads the other tokens' log-probs
+        if self.value_head is not None:
+            logp, hidden = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
+                                           return_hidden=True, token_mask=mask)
+            v, v_last = (x.cpu() for x in self.value_head(hidden, batch.cu_seqlens))
+            for k, (i, vi) in enumerate(zip(group, batch.split(v))):
+                values[i], last[i] = vi, v_last[k]
+        else:
+            logp = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
+                                   token_mask=mask)
+        for i, lp in zip(group, batch.split(logp.cpu())):
+            old[i] = lp
+        if self.reference is not None:
+            for i, lp in zip(group, batch.split(policy_logprobs(
+                    self.reference, *inputs, temperature=self.temperature,
+                    token_mask=mask).cpu())):
+                ref[i] = lp
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -520,34 +543,75 @@ class Trainer:
             by_rollout.setdefault(rollout_index[s.rollout_id], []).append(i)
         rollouts = sorted(by_rollout)
         train_policy = self.step_index >= config.critic_warmup_steps
-        totals: Counter = Counter()
-        updates, ratio_max = 0, None
-        for epoch in range(config.epochs):
+        critic_epochs = config.critic_epochs if config.critic_epochs is not None else config.epochs
+        policy_totals: Counter = Counter()
+        critic_totals: Counter = Counter()
+        policy_updates, critic_updates, ratio_max = 0, 0, None
+        for epoch in range(max(config.epochs, critic_epochs if self.critic is not None else 0)):
             for group in self._mini_batches(len(rollouts), epoch):
                 indices = sorted(i for r in group for i in by_rollout[rollouts[r]])
                 if not any(sub_traces[i].num_action_tokens for i in indices):
                     continue
-                policy_metrics = None
-                if self.value_head is not None:  # one backward for policy and value head
-                    policy_metrics = self._policy_update(sub_traces, indices, rollout_index, old,
-                                                         ref, advantages, values, returns,
-                                                         train_policy)
-                elif train_policy:
-                    policy_metrics = self._policy_update(sub_traces, indices, rollout_index, old,
-                                                         ref, advantages)
+                run_policy = epoch < config.epochs
+                run_critic = self.critic is not None and epoch < critic_epochs
+                with self._beside(run_policy and run_critic) as beside:
+                    critic_job = beside(self._critic_update, sub_traces, indices, rollout_index,
+                                        values, returns) if run_critic else None
+                    policy_metrics = None
+                    if run_policy and self.value_head is not None:  # one backward for both
+                        policy_metrics = self._policy_update(sub_traces, indices, rollout_index,
+                                                             old, ref, advantages, values,
+                                                             returns, train_policy)
+                    elif run_policy and train_policy:
+                        policy_metrics = self._policy_update(sub_traces, indices, rollout_index,
+                                                             old, ref, advantages)
+                    critic_metrics = critic_job() if critic_job is not None else None
+                policy_updates += run_policy
                 if policy_metrics is not None:
                     ratio = policy_metrics.pop("ratio_max")
                     ratio_max = ratio if ratio_max is None else max(ratio_max, ratio)
-                    totals.update(policy_metrics)
-                if self.critic is not None:
-                    for _ in range(config.critic_epochs):
-                        totals.update(self._critic_update(sub_traces, indices, rollout_index,
-                                                          values, returns))
-                updates += 1
-        out = {key: value / max(updates, 1) for key, value in totals.items()}
+                    policy_totals.update(policy_metrics)
+                if critic_metrics is not None:
+                    critic_totals.update(critic_metrics)
+                    critic_updates += 1
+        out = {key: value / max(policy_updates, 1) for key, value in policy_totals.items()}
+        out.update({key: value / max(critic_updates, 1) for key, value in critic_totals.items()})
         if ratio_max is not None:
             out["ratio_max"] = ratio_max
         return out
+
+    @contextlib.contextmanager
+    def _beside(self, both: bool):
+        """Yields ``submit(fn, *args) -> result()``. With ``both`` (a policy and a critic update
+        of the same mini-batch), ``config.overlap_critic``, one process and the models on the
+        CPU with 2+ intra-op threads, ``fn`` runs in a worker thread beside the caller, each on
+        half the threads (models this small gain little from a second thread per op, and the
+        two updates share nothing); otherwise it runs when its result is asked for."""
+        threads = torch.get_num_threads()
+        if not (both and self.config.overlap_critic and self.world is None and threads >= 2
+                and self.device.type == "cpu"):
+            yield lambda fn, *args: (lambda: fn(*args))
+            return
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="agentrl_fast-critic")
+
+        def run(fn, *args):
+            torch.set_num_threads(threads // 2)  # per thread under OpenMP
+            return fn(*args)
+
+        jobs = []
+
+        def submit(fn, *args):
+            jobs.append(self._worker.submit(run, fn, *args))
+            return jobs[-1].result
+
+        torch.set_num_threads(threads - threads // 2)
+        try:
+            yield submit
+        finally:
+            concurrent.futures.wait(jobs)  # never leave a job running on a model (on errors too)
+            torch.set_num_threads(threads)
 
     def _weights(self, sub_traces, indices, rollout_index) -> list[torch.Tensor]:
         """``loss_weights`` of the mini-batch, split per sub-trace."""
@@ -672,10 +736,9 @@ class Trainer:
         norm = _total_norm(torch.nn.utils.clip_grad_norm_(self.critic.parameters(),
                                                           config.max_grad_norm))
         self.critic_optimizer.step()
-        return Counter({"value_loss": totals["loss"] / config.critic_epochs,
-                        "value_clipfrac": totals["clipped"] / max(totals["tokens"], 1)
-                        / config.critic_epochs,
-                        "critic_grad_norm": norm / config.critic_epochs})
+        return Counter({"value_loss": totals["loss"],
+                        "value_clipfrac": totals["clipped"] / max(totals["tokens"], 1),
+                        "critic_grad_norm": norm})
 
     def _control_kl(self, kl: float | None, episodes: int) -> None:
         """Adaptive KL coefficient (Ziegler et al.): move towards ``kl_target``, by the batch's
