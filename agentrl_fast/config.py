@@ -188,10 +188,8 @@ def default_config() -> RunConfig:
     lists anyway, and RL on mixed 2-3-vault tasks learned a 2-vault shortcut there
     (``bench/results/learning.md``)."""
     return RunConfig(env=EnvConfig(min_vaults=3), train=TrainConfig(
-        algo="ppo", steps=60, tasks_per_step=8, micro_batch_tokens=16384, mini_batches=2,
-        # 60 steps at 2.5e-4 with one critic pass instead of 100 at 1e-4 with two: the
-        # 10-minute budget (bench/results/main_job.md, session 12).
-        epochs=2, critic_epochs=1, policy_lr=2.5e-4, critic_lr=3e-3, gamma=1.0, kl_coef=0.0,
+        algo="ppo", steps=100, tasks_per_step=8, micro_batch_tokens=16384, mini_batches=2,
+        epochs=2, policy_lr=1e-4, critic_lr=3e-3, gamma=1.0, kl_coef=0.0,
         # Lambda 1 through compactions: every action token's advantage is its rollout's
         # return minus the critic's value there (bench/results/main_job.md, session 10).
         lam=1.0,

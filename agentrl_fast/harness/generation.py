@@ -133,8 +133,9 @@ class _PrefixCache:
         return sum(t.numel() * t.element_size() for pair in kv for t in pair)
 
     def validate(self, model: torch.nn.Module) -> None:
-        """Drop every entry if a parameter was replaced or changed in place since the last call."""
-        stamp = tuple((id(p), p._version) for p in model.parameters())
+        """Drop every entry if a parameter was replaced, changed in place or given new storage
+        (``module.to``, ``.data =``) since the last call."""
+        stamp = tuple((id(p), p._version, p.data_ptr()) for p in model.parameters())
         if stamp != self.stamp:
             self.entries.clear()
             self.bytes, self.stamp, self._table = 0, stamp, None
