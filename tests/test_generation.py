@@ -173,11 +173,16 @@ def test_greedy_is_argmax_with_untempered_logprobs(peaked):
 
 
 def test_same_seeds_same_output_regardless_of_batch(flat):
-    generator = TorchGenerator(flat)
+    # No prefix cache: a repeated prompt would reuse the keys of the first call, equal only up
+    # to float rounding (the prefix-cache tests below check those ids).
+    generator = TorchGenerator(flat, prefix_cache_bytes=0)
     prompts = _prompts()
     sampling = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, max_new_tokens=16)
     out = generator.generate(prompts, sampling, seeds=list(SEEDS))
     assert generator.generate(prompts, sampling, seeds=list(SEEDS)) == out  # bit for bit
+    cached = TorchGenerator(flat)
+    cached.generate(prompts, sampling, seeds=list(SEEDS))
+    _assert_same_ids(cached.generate(prompts, sampling, seeds=list(SEEDS)), out, "repeated, cached")
 
     order = [2, 0, 3, 1]
     permuted = generator.generate([prompts[i] for i in order], sampling, seeds=[SEEDS[i] for i in order])
@@ -191,7 +196,7 @@ def test_same_seeds_same_output_regardless_of_batch(flat):
 
 
 def test_different_seeds_differ_and_default_seeds_follow_torch_seed(flat):
-    generator = TorchGenerator(flat)
+    generator = TorchGenerator(flat, prefix_cache_bytes=0)  # bit-for-bit repeats
     prompt = _prompts((5,))[0]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=16)
     out = generator.generate([prompt] * 6, sampling, seeds=[1, 2, 3, 4, 5, 1])
@@ -519,7 +524,7 @@ def test_no_grad_and_modes_untouched(training):
 
 def test_torch_generator_follows_the_protocol_and_takes_tensor_prompts(flat):
     assert inspect.signature(TorchGenerator.generate) == inspect.signature(Generator.generate)
-    generator = TorchGenerator(flat)
+    generator = TorchGenerator(flat, prefix_cache_bytes=0)  # bit-for-bit repeats
     prompts = _prompts((4, 2))
     sampling = SamplingParams(max_new_tokens=3)
     want = generator.generate(prompts, sampling, seeds=[1, 2])
