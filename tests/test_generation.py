@@ -95,12 +95,23 @@ def _assert_same_ids(got: list[Generation], want: list[Generation], what: str, l
                                    atol=logprob_tol, msg=lambda m: f"{what}: row {row}: {m}")
 
 
+@pytest.fixture(autouse=True, params=["fast", "hf"])
+def decode_path(request, monkeypatch):
+    """Every test runs on both forwards a TorchGenerator can take: the lean one of
+    ``agentrl_fast.models.fast_decode`` (the default for these Llama-family models) and HF's own
+    ``forward`` (what other models get)."""
+    if request.param == "hf":
+        monkeypatch.setattr("agentrl_fast.models.fast_decode.fast_decoder", lambda model: None)
+    return request.param
+
+
 class _CallCounter:
-    """Counts forward calls of a model and records whether grad mode was on in each."""
+    """Counts forward calls of a model (through its input embedding, which both decode paths
+    call once per forward) and records whether grad mode was on in each."""
 
     def __init__(self, model):
         self.grad_modes = []
-        self._handle = model.register_forward_hook(
+        self._handle = model.get_input_embeddings().register_forward_hook(
             lambda *_: self.grad_modes.append(torch.is_grad_enabled()))
 
     @property
@@ -226,14 +237,15 @@ def test_max_batch_size_chunks_give_the_same_results(flat, max_batch_size):
 
 
 class _PrefillWidths:
-    """The ``input_ids`` width of every multi-token forward (the prefills) of a model."""
+    """The ``input_ids`` width of every multi-token forward (the prefills) of a model (seen by
+    its input embedding)."""
 
     def __init__(self, model):
         self.widths = []
-        self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
+        self._handle = model.get_input_embeddings().register_forward_pre_hook(self._record)
 
-    def _record(self, module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
+    def _record(self, module, args):
+        ids = args[0]
         if ids.shape[1] > 1 or not self.widths:
             self.widths.append(ids.shape[1])
 

@@ -115,6 +115,12 @@ def sample_tokens(filtered: torch.Tensor, generators: Sequence[torch.Generator])
     return torch.minimum(tokens, last)
 
 
+def parameter_stamp(model: torch.nn.Module) -> tuple:
+    """Changes whenever a parameter of ``model`` is replaced, changed in place or given new
+    storage (an optimizer step, ``load_state_dict``, ``module.to``, ``.data =``)."""
+    return tuple((id(p), p._version, p.data_ptr()) for p in model.parameters())
+
+
 class _PrefixCache:
     """Keys and values of finished rows (``tuple(ids) -> [(K, V) per layer]``, each ``[H_kv,
     len(ids), D]``), least recently used first out beyond ``capacity`` bytes; valid for one
@@ -126,19 +132,25 @@ class _PrefixCache:
         self.entries: OrderedDict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.bytes = 0
         self.stamp = None
-        self._table: tuple[list[tuple], torch.Tensor] | None = None  # keys, [E, L] ids, -1 pads
+        self._clear_table()
+
+    def _clear_table(self) -> None:
+        # Kept ids, one row per entry (-1 pads; a discarded entry's row becomes -2s, which no
+        # token matches, until the table is rebuilt without it).
+        self._rows: dict[tuple, int] = {}
+        self._keys: list[tuple | None] = []
+        self._table = torch.full((0, 0), -1, dtype=torch.long)
 
     @staticmethod
     def _size(kv) -> int:
         return sum(t.numel() * t.element_size() for pair in kv for t in pair)
 
-    def validate(self, model: torch.nn.Module) -> None:
-        """Drop every entry if a parameter was replaced, changed in place or given new storage
-        (``module.to``, ``.data =``) since the last call."""
-        stamp = tuple((id(p), p._version, p.data_ptr()) for p in model.parameters())
+    def validate(self, stamp: tuple) -> None:
+        """Drop every entry if the model's :func:`parameter_stamp` is not the last call's."""
         if stamp != self.stamp:
             self.entries.clear()
-            self.bytes, self.stamp, self._table = 0, stamp, None
+            self.bytes, self.stamp = 0, stamp
+            self._clear_table()
 
     def longest_prefix(self, prompt: list[int]) -> tuple[int, tuple | None, list | None]:
         """``(n, key, kv)``: the kept sequence ``key`` sharing the longest prefix with
@@ -146,20 +158,14 @@ class _PrefixCache:
         token is always fed) and their keys and values; ``(0, None, None)`` if none shares one."""
         if not self.entries or len(prompt) < 2:
             return 0, None, None
-        if self._table is None:
-            keys = list(self.entries)
-            table = torch.full((len(keys), max(map(len, keys))), -1, dtype=torch.long)
-            for i, key in enumerate(keys):
-                table[i, :len(key)] = torch.tensor(key)
-            self._table = keys, table
-        keys, table = self._table
+        table = self._table[:len(self._keys)]
         width = min(table.shape[1], len(prompt) - 1)
         shared = (table[:, :width] == torch.tensor(prompt[:width])).cumprod(-1).sum(-1)
         best = int(shared.argmax())
         n = int(shared[best])
         if n == 0:
             return 0, None, None
-        key = keys[best]
+        key = self._keys[best]
         self.entries.move_to_end(key)
         return n, key, [(k[:, :n], v[:, :n]) for k, v in self.entries[key]]
 
@@ -167,7 +173,14 @@ class _PrefixCache:
         kv = self.entries.pop(key, None)
         if kv is not None:
             self.bytes -= self._size(kv)
-            self._table = None
+            row = self._rows.pop(key)
+            self._table[row] = -2
+            self._keys[row] = None
+            if len(self._rows) * 2 < len(self._keys):  # mostly dead rows: rebuild
+                live = [r for r, k in enumerate(self._keys) if k is not None]
+                self._table = self._table[live]
+                self._keys = [self._keys[r] for r in live]
+                self._rows = {k: r for r, k in enumerate(self._keys)}
 
     def put(self, key: tuple, kv: list) -> None:
         size = self._size(kv)
@@ -176,7 +189,14 @@ class _PrefixCache:
         self.discard(key)
         self.entries[key] = kv
         self.bytes += size
-        self._table = None
+        rows, width = self._table.shape
+        if len(self._keys) == rows or len(key) > width:  # grow (doubling) to fit the new row
+            grown = torch.full((max(2 * rows, 16), max(width, len(key))), -1, dtype=torch.long)
+            grown[:rows, :width] = self._table
+            self._table = grown
+        self._table[len(self._keys), :len(key)] = torch.tensor(key)
+        self._rows[key] = len(self._keys)
+        self._keys.append(key)
         while self.bytes > self.capacity:
             self.discard(next(iter(self.entries)))
 
@@ -188,7 +208,7 @@ class TorchGenerator:
     its new tokens (``prefix_cache_bytes`` of kept keys and values; 0 turns it off)."""
 
     def __init__(self, model: torch.nn.Module, pad_id: int = 0, max_batch_size: int = 64,
-                 prefix_cache_bytes: int = 1 << 30):
+                 prefix_cache_bytes: int = 1 << 30, fast_decode: bool | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TorchGenerator: model must be a torch.nn.Module (an HF causal LM), "
                             f"got {type(model).__name__}")
@@ -198,7 +218,18 @@ class TorchGenerator:
         if not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
             raise ValueError(f"TorchGenerator: prefix_cache_bytes must be an int >= 0 (0: off), "
                              f"got {prefix_cache_bytes!r}")
+        if fast_decode not in (None, True, False):
+            raise ValueError(f"TorchGenerator: fast_decode must be None (when the model allows), "
+                             f"True or False, got {fast_decode!r}")
         self.model = model
+        self.fast = None
+        if fast_decode is not False:
+            from agentrl_fast.models.fast_decode import fast_decoder
+            self.fast = fast_decoder(model)
+            if self.fast is None and fast_decode:
+                raise ValueError(f"TorchGenerator: fast_decode=True, but "
+                                 f"{type(model).__name__} is not a Llama-family decoder the "
+                                 f"fast path covers (Qwen3, Qwen2, Llama with full attention)")
         self.pad_id = int(pad_id)
         self.max_batch_size = max_batch_size
         self.prefix_cache = _PrefixCache(prefix_cache_bytes)
@@ -242,8 +273,11 @@ class TorchGenerator:
         if len(seeds) != len(prompts):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
         out: list[Generation] = []
+        stamp = parameter_stamp(self.model)
         if self.prefix_cache.capacity:
-            self.prefix_cache.validate(self.model)
+            self.prefix_cache.validate(stamp)
+        if self.fast is not None:
+            self.fast.refresh(stamp)
         with self._generation_mode():
             for start in range(0, len(prompts), self.max_batch_size):
                 stop = start + self.max_batch_size
@@ -285,7 +319,8 @@ class TorchGenerator:
         from transformers import DynamicCache
 
         device = self.device
-        caching = self.prefix_cache.capacity > 0 and self._caches_plain_layers()
+        caching = self.prefix_cache.capacity > 0 and (self.fast is not None
+                                                      or self._caches_plain_layers())
         hits = [self.prefix_cache.longest_prefix(p) if caching else (0, None, None)
                 for p in prompts]
         # Layout: [kept keys, right-aligned | new prompt tokens, right-aligned], masks mark both.
@@ -302,27 +337,36 @@ class TorchGenerator:
             position_ids[row, width - tail:] = torch.arange(n, len(prompt))
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = position_ids.to(device)
-        data = None
-        if cached:
-            data = []
-            for layer, (k, _) in enumerate(next(kv for _, _, kv in hits if kv is not None)):
-                keys = k.new_zeros(batch, k.shape[0], cached, k.shape[-1])
-                values = torch.zeros_like(keys)
-                for row, (n, _, kv) in enumerate(hits):
-                    if n:
-                        keys[row, :, cached - n:] = kv[layer][0]
-                        values[row, :, cached - n:] = kv[layer][1]
-                data.append((keys, values))
-        cache = DynamicCache(data, config=self.model.config)
+        fast, cache, state = self.fast, None, None
+        if fast is not None:
+            state = fast.start(batch, cached + width + sampling.max_new_tokens, device)
+            for row, (n, _, kv) in enumerate(hits):
+                if n:
+                    state.write_prefix(row, kv, cached)
+            state.length = cached
+            logits = fast.forward(state, input_ids, position_ids, attention_mask[:, cached:] > 0)
+        else:
+            data = None
+            if cached:
+                data = []
+                for layer, (k, _) in enumerate(next(kv for _, _, kv in hits if kv is not None)):
+                    keys = k.new_zeros(batch, k.shape[0], cached, k.shape[-1])
+                    values = torch.zeros_like(keys)
+                    for row, (n, _, kv) in enumerate(hits):
+                        if n:
+                            keys[row, :, cached - n:] = kv[layer][0]
+                            values[row, :, cached - n:] = kv[layer][1]
+                    data.append((keys, values))
+            cache = DynamicCache(data, config=self.model.config)
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids, use_cache=True, logits_to_keep=1,
+                                **{self._cache_argument: cache}).logits[:, -1]
         generators = [torch.Generator(device="cpu").manual_seed(int(s) % (2 ** 63)) for s in seeds]
         stops = torch.tensor(sampling.stop_ids or [-1], device=device)
         ids: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         finished = [False] * batch
         reasons = ["length"] * batch
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids, use_cache=True, logits_to_keep=1,
-                            **{self._cache_argument: cache}).logits[:, -1]
         rows = list(range(batch))  # the prompt row of each row still in the batch
 
         def keep_rows(positions: list[int]) -> None:
@@ -332,10 +376,12 @@ class TorchGenerator:
                 return
             for k in positions:
                 row = rows[k]
-                real = attention_mask[k].nonzero()[:, 0]
-                self.prefix_cache.put(tuple(prompts[row] + ids[row][:-1]),
-                                      [(x.keys[k][:, real], x.values[k][:, real])
-                                       for x in cache.layers])
+                if state is not None:
+                    kv = state.row(k)
+                else:
+                    real = attention_mask[k].nonzero()[:, 0]
+                    kv = [(x.keys[k][:, real], x.values[k][:, real]) for x in cache.layers]
+                self.prefix_cache.put(tuple(prompts[row] + ids[row][:-1]), kv)
 
         for step in range(sampling.max_new_tokens):
             recorded, filtered = sampling_distribution(logits, sampling)
@@ -343,11 +389,11 @@ class TorchGenerator:
                 tokens = filtered.argmax(-1).cpu()
             else:
                 tokens = sample_tokens(filtered, [generators[row] for row in rows])
-            token_logprobs = recorded.cpu().gather(-1, tokens[:, None])[:, 0]
-            is_stop = torch.isin(tokens.to(device), stops).cpu()
-            for k, row in enumerate(rows):
-                ids[row].append(int(tokens[k]))
-                logprobs[row].append(float(token_logprobs[k]))
+            token_logprobs = recorded.cpu().gather(-1, tokens[:, None])[:, 0].tolist()
+            is_stop = torch.isin(tokens.to(device), stops).cpu().tolist()
+            for k, (row, token) in enumerate(zip(rows, tokens.tolist())):
+                ids[row].append(token)
+                logprobs[row].append(token_logprobs[k])
                 if is_stop[k]:
                     finished[row], reasons[row] = True, "stop"
             keep = [k for k, row in enumerate(rows) if not finished[row]]
@@ -357,13 +403,21 @@ class TorchGenerator:
             if len(keep) < len(rows):  # finished rows leave the batch (and the cache)
                 keep_rows([k for k, row in enumerate(rows) if finished[row]])
                 index = torch.tensor(keep, device=device)
-                cache.batch_select_indices(index)
-                attention_mask, position_ids = attention_mask[index], position_ids[index]
+                if state is not None:
+                    state.select(index)
+                else:
+                    cache.batch_select_indices(index)
+                    attention_mask = attention_mask[index]
+                position_ids = position_ids[index]
                 tokens = tokens[keep]
                 rows = [rows[k] for k in keep]
+            position_ids = position_ids[:, -1:] + 1
+            if state is not None:
+                logits = fast.forward(state, tokens[:, None].to(device), position_ids,
+                                      torch.ones((len(rows), 1), dtype=torch.bool, device=device))
+                continue
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)],
                                        dim=1)
-            position_ids = position_ids[:, -1:] + 1
             logits = self.model(input_ids=tokens[:, None].to(device),
                                 attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=True, **{self._cache_argument: cache}).logits[:, -1]
