@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter
 from typing import Literal, Optional
@@ -768,6 +771,28 @@ def test_hung_sync_tools_do_not_starve_later_calls():
     results = reg.execute_sync(parse_tool_calls(block("add", {"a": 1, "b": 2}) * 4))
     assert [r.content for r in results] == ["3"] * 4
     assert time.perf_counter() - start < 0.25
+
+
+@tool
+def which_thread() -> str:
+    """The id of the thread the call runs on."""
+    return str(threading.get_ident())
+
+
+def test_sync_tools_reuse_idle_threads_and_a_forked_child_starts_its_own():
+    reg = registry(which_thread)
+    threads = {reg.execute_sync(parse_tool_calls(block("which_thread", {})))[0].content
+               for _ in range(30)}
+    assert len(threads) <= 2, f"30 calls one after another ran on {len(threads)} threads"
+    assert str(threading.get_ident()) not in threads  # never on the caller's thread
+    # A forked child has none of the parent's idle threads: it must not hand work to them.
+    pid = os.fork()
+    if pid == 0:  # the child: a call that found no thread would hang until the alarm
+        signal.alarm(10)
+        result, = reg.execute_sync(parse_tool_calls(block("which_thread", {})))
+        os._exit(0 if result.ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("timeout", [True, "1", 0, -1.0, float("nan")])

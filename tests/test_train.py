@@ -16,7 +16,7 @@ import torch
 from agentrl_fast.harness import (ChatFormat, RolloutConfig, SamplingParams, SubTrace,
                                   VaultEnvironment, build_tokenizer)
 from agentrl_fast.models.tiny import tiny_qwen3, with_token_bias
-from agentrl_fast.train import TrainConfig, Trainer, bootstrap_values, gae_advantages
+from agentrl_fast.train import TrainConfig, Trainer, bootstrap_values, gae_advantages, rollout_index_map
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -157,6 +157,39 @@ def test_overlapped_critic_update_matches_the_sequential_one(chat):
     for a, b in ((overlapped.policy, sequential.policy), (overlapped.critic, sequential.critic)):
         for (name, x), y in zip(a.named_parameters(), b.parameters()):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_rollout_logprobs_stand_in_for_the_recomputed_ones(chat):
+    """recompute_logprobs=False: the old log-probs are the rollout's sampling log-probs, with no
+    scoring forward of the policy; they equal the recomputed ones up to float rounding, so the
+    step is the recomputing step's."""
+    runs = {}
+    for recompute in (True, False):
+        trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(),
+                          train_config(steps=1, kl_coef=0.0, recompute_logprobs=recompute))
+        trajectories = trainer._collect()[1]
+        sub_traces = [s for t in trajectories for s in t.sub_traces]
+        calls = []  # forwards of the policy's decoder stack while scoring
+        handle = trainer.policy.model.register_forward_hook(lambda *_: calls.append(1))
+        old, *_ = trainer._score(sub_traces, rollout_index_map(sub_traces))
+        handle.remove()
+        runs[recompute] = old, sub_traces, calls
+    (recomputed, sub_traces, calls), (from_rollout, rollout_sub_traces, no_calls) = runs[True], runs[False]
+    assert calls and not no_calls, "recompute_logprobs=False must not run the policy to score"
+    for s, a, b, r in zip(sub_traces, recomputed, from_rollout, rollout_sub_traces):
+        assert s.ids == r.ids  # the same rollouts (same seeds)
+        mask = torch.tensor(s.action_mask, dtype=torch.bool)
+        assert mask.any()
+        torch.testing.assert_close(b, torch.tensor(r.logprobs, dtype=torch.float32), rtol=0, atol=0)
+        torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-4)
+    metrics = {}
+    for recompute in (True, False):
+        trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(),
+                          train_config(steps=1, kl_coef=0.0, recompute_logprobs=recompute))
+        metrics[recompute] = trainer.step()
+    assert "logprob_mismatch_max" in metrics[True] and "logprob_mismatch_max" not in metrics[False]
+    for key in ("policy_loss", "value_loss", "policy_grad_norm", "clipfrac"):
+        assert metrics[False][key] == pytest.approx(metrics[True][key], rel=1e-3, abs=1e-5), key
 
 
 # ---------------------------------------------------------------------------------------------

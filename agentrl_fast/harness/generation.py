@@ -122,14 +122,14 @@ def parameter_stamp(model: torch.nn.Module) -> tuple:
 
 
 class _PrefixCache:
-    """Keys and values of finished rows (``tuple(ids) -> [(K, V) per layer]``, each ``[H_kv,
-    len(ids), D]``), least recently used first out beyond ``capacity`` bytes; valid for one
+    """Keys and values of finished rows (``tuple(ids) -> [layers, 2, H_kv, len(ids), D]``, keys
+    then values), least recently used first out beyond ``capacity`` bytes; valid for one
     state of the model's parameters. A prompt reuses the kept sequence it shares the longest
     prefix with (a new sub-trace shares the system prompt and task with its rollout's last)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.entries: OrderedDict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.entries: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.bytes = 0
         self.stamp = None
         self._clear_table()
@@ -142,8 +142,8 @@ class _PrefixCache:
         self._table = torch.full((0, 0), -1, dtype=torch.long)
 
     @staticmethod
-    def _size(kv) -> int:
-        return sum(t.numel() * t.element_size() for pair in kv for t in pair)
+    def _size(kv: torch.Tensor) -> int:
+        return kv.numel() * kv.element_size()
 
     def validate(self, stamp: tuple) -> None:
         """Drop every entry if the model's :func:`parameter_stamp` is not the last call's."""
@@ -152,7 +152,7 @@ class _PrefixCache:
             self.bytes, self.stamp = 0, stamp
             self._clear_table()
 
-    def longest_prefix(self, prompt: list[int]) -> tuple[int, tuple | None, list | None]:
+    def longest_prefix(self, prompt: list[int]) -> tuple[int, tuple | None, torch.Tensor | None]:
         """``(n, key, kv)``: the kept sequence ``key`` sharing the longest prefix with
         ``prompt``, its ``n`` shared positions (at most ``len(prompt) - 1``: the last prompt
         token is always fed) and their keys and values; ``(0, None, None)`` if none shares one."""
@@ -167,7 +167,7 @@ class _PrefixCache:
             return 0, None, None
         key = self._keys[best]
         self.entries.move_to_end(key)
-        return n, key, [(k[:, :n], v[:, :n]) for k, v in self.entries[key]]
+        return n, key, self.entries[key][..., :n, :]
 
     def discard(self, key: tuple) -> None:
         kv = self.entries.pop(key, None)
@@ -182,7 +182,7 @@ class _PrefixCache:
                 self._keys = [self._keys[r] for r in live]
                 self._rows = {k: r for r, k in enumerate(self._keys)}
 
-    def put(self, key: tuple, kv: list) -> None:
+    def put(self, key: tuple, kv: torch.Tensor) -> None:
         size = self._size(kv)
         if not key or size > self.capacity:
             return
@@ -348,15 +348,13 @@ class TorchGenerator:
         else:
             data = None
             if cached:
-                data = []
-                for layer, (k, _) in enumerate(next(kv for _, _, kv in hits if kv is not None)):
-                    keys = k.new_zeros(batch, k.shape[0], cached, k.shape[-1])
-                    values = torch.zeros_like(keys)
-                    for row, (n, _, kv) in enumerate(hits):
-                        if n:
-                            keys[row, :, cached - n:] = kv[layer][0]
-                            values[row, :, cached - n:] = kv[layer][1]
-                    data.append((keys, values))
+                kept = next(kv for _, _, kv in hits if kv is not None)
+                layers, _, heads, _, dim = kept.shape
+                data = kept.new_zeros(layers, 2, batch, heads, cached, dim)
+                for row, (n, _, kv) in enumerate(hits):
+                    if n:
+                        data[:, :, row, :, cached - n:] = kv
+                data = [(k, v) for k, v in data]
             cache = DynamicCache(data, config=self.model.config)
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
                                 position_ids=position_ids, use_cache=True, logits_to_keep=1,
@@ -380,7 +378,8 @@ class TorchGenerator:
                     kv = state.row(k)
                 else:
                     real = attention_mask[k].nonzero()[:, 0]
-                    kv = [(x.keys[k][:, real], x.values[k][:, real]) for x in cache.layers]
+                    kv = torch.stack([torch.stack((x.keys[k][:, real], x.values[k][:, real]))
+                                      for x in cache.layers])
                 self.prefix_cache.put(tuple(prompts[row] + ids[row][:-1]), kv)
 
         for step in range(sampling.max_new_tokens):

@@ -30,6 +30,8 @@ import functools
 import inspect
 import json
 import numbers
+import os
+import queue
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -190,9 +192,47 @@ def _to_text(value: Any) -> str:
         return str(value)
 
 
+class _ToolThreads:
+    """Daemon threads for sync tools, reused: a call takes an idle thread or starts a new one,
+    so a tool that overruns its timeout holds only its own thread, never a slot other calls
+    queue behind (as a thread per call would), without a thread start per call. At most
+    ``max_idle`` threads wait for work; more finish."""
+
+    def __init__(self, max_idle: int = 32):
+        self.max_idle = max_idle
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue] = []
+
+    def reset(self) -> None:
+        """Forget the idle threads (in a forked child, which has none of them)."""
+        self._lock = threading.Lock()
+        self._idle = []
+
+    def run(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="agentrl_fast-tool",
+                             daemon=True).start()
+        inbox.put(job)
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            inbox.get()()
+            with self._lock:
+                if len(self._idle) >= self.max_idle:
+                    return
+                self._idle.append(inbox)
+
+
+_TOOL_THREADS = _ToolThreads()
+os.register_at_fork(after_in_child=_TOOL_THREADS.reset)
+
+
 def _in_thread(fn: Callable, arguments: dict) -> asyncio.Future:
-    """Run a sync tool in a thread of its own (daemon): a tool that overruns its timeout keeps
-    only its own thread, never a slot other calls queue behind."""
+    """Run a sync tool on a thread of its own (:class:`_ToolThreads`): a tool that overruns its
+    timeout keeps only its own thread, never a slot other calls queue behind."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -210,7 +250,7 @@ def _in_thread(fn: Callable, arguments: dict) -> asyncio.Future:
         except RuntimeError:  # the loop closed while the abandoned tool was still running
             pass
 
-    threading.Thread(target=target, name="agentrl_fast-tool", daemon=True).start()
+    _TOOL_THREADS.run(target)
     return future
 
 

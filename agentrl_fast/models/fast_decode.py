@@ -102,13 +102,10 @@ class FastDecoder:
 
     def start(self, batch: int, columns: int, device: torch.device) -> "DecodeState":
         """An empty cache of ``columns`` positions for ``batch`` rows."""
-        parameter = self.model.lm_head.weight
-        shape = (batch, self.kv_heads, columns, self.head_dim)
-        layers = len(self.model.model.layers)
+        shape = (len(self.model.model.layers), 2, batch, self.kv_heads, columns, self.head_dim)
         return DecodeState(
-            keys=[torch.zeros(shape, device=device, dtype=parameter.dtype) for _ in range(layers)],
-            values=[torch.zeros(shape, device=device, dtype=parameter.dtype) for _ in range(layers)],
-            valid=torch.zeros((batch, columns), dtype=torch.bool, device=device))
+            torch.zeros(shape, device=device, dtype=self.model.lm_head.weight.dtype),
+            torch.zeros((batch, columns), dtype=torch.bool, device=device))
 
     @torch.no_grad()
     def forward(self, state: "DecodeState", input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -141,7 +138,7 @@ class FastDecoder:
         def rotate(t: torch.Tensor) -> torch.Tensor:
             return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
 
-        for w, keys, values in zip(self._layers, state.keys, state.values):
+        for w, (keys, values) in zip(self._layers, state.cache):
             h = self._norm(x, w["norm"], self.eps)
             qkv = F.linear(h, w["qkv"], w["qkv_bias"])
             q = qkv[..., :q_size].view(batch, width, self.heads, self.head_dim)
@@ -164,30 +161,28 @@ class FastDecoder:
 
 
 class DecodeState:
-    """The KV cache of one batch: per layer ``[B, H_kv, columns, D]`` keys and values, ``valid
-    [B, columns]`` (the columns each row may read), and ``length`` (columns written)."""
+    """The KV cache of one batch: ``cache [layers, 2, B, H_kv, columns, D]`` (keys, then
+    values), ``valid [B, columns]`` (the columns each row may read), and ``length`` (columns
+    written)."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor):
-        self.keys, self.values, self.valid = keys, values, valid
+    def __init__(self, cache: torch.Tensor, valid: torch.Tensor):
+        self.cache, self.valid = cache, valid
         self.length = 0
 
-    def write_prefix(self, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]], stop: int) -> None:
-        """Put kept keys and values (``[(K, V) per layer]``, each ``[H_kv, n, D]``) into ``row``
-        at columns ``[stop - n, stop)``."""
-        n = kv[0][0].shape[1]
-        for (k, v), keys, values in zip(kv, self.keys, self.values):
-            keys[row, :, stop - n:stop] = k
-            values[row, :, stop - n:stop] = v
+    def write_prefix(self, row: int, kv: torch.Tensor, stop: int) -> None:
+        """Put kept keys and values (``[layers, 2, H_kv, n, D]``) into ``row`` at columns
+        ``[stop - n, stop)``."""
+        n = kv.shape[-2]
+        self.cache[:, :, row, :, stop - n:stop] = kv
         self.valid[row, stop - n:stop] = True
 
-    def row(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``row``'s keys and values over its valid columns (copies), per layer."""
+    def row(self, row: int) -> torch.Tensor:
+        """``row``'s keys and values over its valid columns (a copy), ``[layers, 2, H_kv, n,
+        D]``."""
         columns = self.valid[row, :self.length].nonzero()[:, 0]
-        return [(keys[row][:, columns], values[row][:, columns])
-                for keys, values in zip(self.keys, self.values)]
+        return self.cache[:, :, row].index_select(-2, columns)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only rows ``index`` (in that order)."""
-        self.keys = [k[index] for k in self.keys]
-        self.values = [v[index] for v in self.values]
+        self.cache = self.cache.index_select(2, index)
         self.valid = self.valid[index]

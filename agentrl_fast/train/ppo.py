@@ -101,6 +101,12 @@ class TrainConfig:
     # On the CPU (one process, 2+ threads): the separate critic's update of a mini-batch runs in
     # a thread beside the policy's, each on half the intra-op threads.
     overlap_critic: bool = True
+    # False: the old log-probs PPO's ratio starts from are the rollout's own sampling log-probs
+    # (the same policy and temperature, so equal up to float rounding: the mismatch metric
+    # shows it when recomputing) instead of one more forward of the policy over the batch
+    # (verl's bypass mode). Needs a generator that records the policy's log-probs, as
+    # TorchGenerator does.
+    recompute_logprobs: bool = True
     grpo_normalize_std: bool = True
     # Dynamic sampling (DAPO): train only on task groups whose rollouts' rewards differ, rolling
     # out up to max_rollout_rounds batches of tasks_per_step tasks to find tasks_per_step of them.
@@ -356,7 +362,8 @@ class Trainer:
         for group in self._local_plan(sub_traces, list(range(n))):
             if group is None:  # take part in the sharded models' collectives
                 inputs = self._empty_batch()
-                policy_logprobs(self.policy, *inputs, temperature=self.temperature)
+                if self.config.recompute_logprobs or self.value_head is not None:
+                    policy_logprobs(self.policy, *inputs, temperature=self.temperature)
                 if self.reference is not None:
                     policy_logprobs(self.reference, *inputs, temperature=self.temperature)
                 if self.critic is not None:
@@ -379,6 +386,8 @@ class Trainer:
                                                for i in scored}):
                 for i, (o, r, v, lv) in part.items():
                     old[i], ref[i], values[i], last[i] = o, r, v, lv
+        if not self.config.recompute_logprobs:
+            old = [torch.tensor(s.logprobs, dtype=torch.float32) for s in sub_traces]
         return old, ref, values, last
 
     @torch.no_grad()
@@ -391,11 +400,14 @@ class Trainer:
             v, v_last = (x.cpu() for x in self.value_head(hidden, batch.cu_seqlens))
             for k, (i, vi) in enumerate(zip(group, batch.split(v))):
                 values[i], last[i] = vi, v_last[k]
-        else:
+        elif self.config.recompute_logprobs:
             logp = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
                                    token_mask=mask)
-        for i, lp in zip(group, batch.split(logp.cpu())):
-            old[i] = lp
+        else:
+            logp = None  # the rollout's log-probs stand in (``_score``)
+        if logp is not None:
+            for i, lp in zip(group, batch.split(logp.cpu())):
+                old[i] = lp
         if self.reference is not None:
             for i, lp in zip(group, batch.split(policy_logprobs(
                     self.reference, *inputs, temperature=self.temperature,
@@ -445,7 +457,8 @@ class Trainer:
         old, ref, values, last = self._score(sub_traces, rollout_index)
         if self.world is not None:
             metrics.update(self._rank_tokens(sub_traces))
-        metrics.update(self._mismatch(sub_traces, old))
+        if config.recompute_logprobs:
+            metrics.update(self._mismatch(sub_traces, old))
         rewards = [torch.tensor(s.rewards) for s in sub_traces]
         if self.reference is not None:
             kl = [torch.where(torch.tensor(s.action_mask, dtype=torch.bool), o - r,
