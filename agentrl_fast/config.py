@@ -50,6 +50,7 @@ class ModelConfig:
     head_dim: int = 16
     vocab_size: int = 1024
     tokenizer: str | None = None  # an HF tokenizer folder instead of the built-in one
+    fused_layers: bool = True  # RMSNorm and SwiGLU on agentrl_fast's fused ops
 
 
 @dataclass

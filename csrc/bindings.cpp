@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/library.h>
 
+#include "fused_layers.h"
 #include "gae.h"
 #include "varlen_attention.h"
 
@@ -19,6 +20,14 @@ TORCH_LIBRARY(agentrl_fast, m) {
   m.def(
       "varlen_attention_cpu_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, bool causal, "
       "float scale, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.def("rms_norm_cpu_out(Tensor x, Tensor weight, float eps, Tensor(a!) y, Tensor(b!) rstd) -> ()");
+  m.def(
+      "rms_norm_cpu_backward_out(Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor(a!) dx, "
+      "Tensor(b!) dweight) -> ()");
+  m.def("swiglu_cpu_out(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
+  m.def(
+      "swiglu_cpu_backward_out(Tensor dout, Tensor gate, Tensor up, Tensor(a!) dgate, "
+      "Tensor(b!) dup) -> ()");
   m.def(
       "varlen_attention_cpu_backward_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor cu_seqlens, bool causal, float scale, Tensor(a!) dq, Tensor(b!) dk, "
@@ -48,9 +57,32 @@ void varlen_attention_cpu_backward_out_op(const at::Tensor& dout, const at::Tens
   agentrl_fast::varlen_attention_cpu_backward_out(dout, q, k, v, out, lse, cu_seqlens, causal,
                                                   scale, dq, dk, dv);
 }
+void rms_norm_cpu_out_op(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor y,
+                         at::Tensor rstd) {
+  agentrl_fast::rms_norm_cpu_out(x, weight, eps, y, rstd);
+}
+
+void rms_norm_cpu_backward_out_op(const at::Tensor& dy, const at::Tensor& x,
+                                  const at::Tensor& weight, const at::Tensor& rstd, at::Tensor dx,
+                                  at::Tensor dweight) {
+  agentrl_fast::rms_norm_cpu_backward_out(dy, x, weight, rstd, dx, dweight);
+}
+
+void swiglu_cpu_out_op(const at::Tensor& gate, const at::Tensor& up, at::Tensor out) {
+  agentrl_fast::swiglu_cpu_out(gate, up, out);
+}
+
+void swiglu_cpu_backward_out_op(const at::Tensor& dout, const at::Tensor& gate,
+                                const at::Tensor& up, at::Tensor dgate, at::Tensor dup) {
+  agentrl_fast::swiglu_cpu_backward_out(dout, gate, up, dgate, dup);
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(agentrl_fast, CPU, m) {
+  m.impl("rms_norm_cpu_out", &rms_norm_cpu_out_op);
+  m.impl("rms_norm_cpu_backward_out", &rms_norm_cpu_backward_out_op);
+  m.impl("swiglu_cpu_out", &swiglu_cpu_out_op);
+  m.impl("swiglu_cpu_backward_out", &swiglu_cpu_backward_out_op);
   m.impl("gae", &agentrl_fast::gae);
   m.impl("gae_out", &gae_out_op);
   m.impl("varlen_attention_cpu_out", &varlen_attention_cpu_out_op);

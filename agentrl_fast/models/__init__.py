@@ -11,12 +11,15 @@
 with transformers' ``AttentionInterface`` and a mask function that builds no mask with its
 ``AttentionMaskInterface``; ``use_packed_attention(model)`` also switches the model to it. See
 ``agentrl_fast.models.attention`` for where sequence boundaries come from and when
-``cu_seqlens`` is validated.
+``cu_seqlens`` is validated. ``use_fused_layers(model)`` runs a Llama-family model's RMSNorms
+and SwiGLU MLPs on fused ops (``agentrl_fast.models.fused``).
 """
 
 from agentrl_fast.models.attention import (ATTN_NAME, packed_attention_forward, packed_attention_mask,
                                            packed_forward, register_attention, use_packed_attention)
+from agentrl_fast.models.fused import use_fused_layers
 from agentrl_fast.models.packing import pack, position_ids_from_cu_seqlens, unpack
 
 __all__ = ["ATTN_NAME", "pack", "packed_attention_forward", "packed_attention_mask", "packed_forward",
-           "position_ids_from_cu_seqlens", "register_attention", "unpack", "use_packed_attention"]
+           "position_ids_from_cu_seqlens", "register_attention", "unpack", "use_fused_layers",
+           "use_packed_attention"]

@@ -22,6 +22,7 @@ import copy
 import torch
 
 from agentrl_fast.models.attention import is_sharded, packed_forward, unwrap, use_packed_attention
+from agentrl_fast.models.fused import use_fused_layers, uses_fused_layers
 from agentrl_fast.ops import linear_token_logprobs, token_logprobs
 
 IGNORE_INDEX = -100
@@ -168,5 +169,7 @@ def make_critic(policy: torch.nn.Module) -> torch.nn.Module:
         head.weight.zero_()
         if head.bias is not None:
             head.bias.zero_()
+    if uses_fused_layers(policy):
+        use_fused_layers(critic)
     parameter = next(policy.parameters())
     return _as_packed(critic.to(device=parameter.device, dtype=parameter.dtype))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from agentrl_fast.ops.fused_layers import rms_norm, swiglu
+
 
 def fast_decoder(model: torch.nn.Module) -> "FastDecoder | None":
     """A :class:`FastDecoder` for ``model`` if it is a causal LM of the Llama family that the
@@ -94,12 +96,6 @@ class FastDecoder:
                     down=m.down_proj.weight))
             self._layers, self._stamp = layers, stamp
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # HF's RMSNorm: normalise in float32, cast back, then scale.
-        normed = x.float()
-        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * normed.to(x.dtype)
-
     def start(self, batch: int, columns: int, device: torch.device) -> "DecodeState":
         """An empty cache of ``columns`` positions for ``batch`` rows."""
         shape = (len(self.model.model.layers), 2, batch, self.kv_heads, columns, self.head_dim)
@@ -139,24 +135,24 @@ class FastDecoder:
             return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
 
         for w, (keys, values) in zip(self._layers, state.cache):
-            h = self._norm(x, w["norm"], self.eps)
+            h = rms_norm(x, w["norm"], self.eps)
             qkv = F.linear(h, w["qkv"], w["qkv_bias"])
             q = qkv[..., :q_size].view(batch, width, self.heads, self.head_dim)
             k = qkv[..., q_size:q_size + kv_size].view(batch, width, self.kv_heads, self.head_dim)
             v = qkv[..., q_size + kv_size:].view(batch, width, self.kv_heads, self.head_dim)
             if w["q_norm"] is not None:
-                q = self._norm(q, w["q_norm"], self.eps)
+                q = rms_norm(q, w["q_norm"], self.eps)
             if w["k_norm"] is not None:
-                k = self._norm(k, w["k_norm"], self.eps)
+                k = rms_norm(k, w["k_norm"], self.eps)
             keys[:, :, start:stop] = rotate(k).transpose(1, 2)
             values[:, :, start:stop] = v.transpose(1, 2)
             attended = F.scaled_dot_product_attention(
                 rotate(q).transpose(1, 2), keys[:, :, :stop], values[:, :, :stop], attn_mask=mask,
                 scale=w["scaling"], enable_gqa=self.kv_heads != self.heads)
             x = x + F.linear(attended.transpose(1, 2).reshape(batch, width, q_size), w["o"])
-            gate, up = F.linear(self._norm(x, w["post_norm"], self.eps), w["gate_up"]).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, w["down"])
-        last = self._norm(x[:, -1], base.norm.weight, self.eps)
+            gate, up = F.linear(rms_norm(x, w["post_norm"], self.eps), w["gate_up"]).chunk(2, -1)
+            x = x + F.linear(swiglu(gate, up), w["down"])
+        last = rms_norm(x[:, -1], base.norm.weight, self.eps)
         return self.model.lm_head(last)
 
 

@@ -326,3 +326,15 @@ def value_loss_reference(values, old_values, returns, action_mask, *, weights, c
     d = max(n, 1)
     metrics = {"vf_clipfrac": clipped_count / d, "vf_mse": err / d, "action_tokens": float(n)}
     return total, {k: torch.tensor(v_, dtype=torch.float64) for k, v_ in metrics.items()}
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float64: ``weight * x / sqrt(mean(x^2) + eps)``."""
+    x, weight = x.detach().double(), weight.detach().double()
+    return weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in float64, ``silu(g) = g / (1 + exp(-g))``."""
+    gate, up = gate.detach().double(), up.detach().double()
+    return gate / (1 + torch.exp(-gate)) * up

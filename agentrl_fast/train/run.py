@@ -26,6 +26,7 @@ from agentrl_fast.config import ConfigError, RunConfig, to_dict, validate
 from agentrl_fast.harness import (ChatFormat, RolloutEngine, ScriptedGenerator, TorchGenerator,
                                   VaultEnvironment, build_tokenizer, expert_action,
                                   rollout_metrics)
+from agentrl_fast.models.fused import use_fused_layers
 from agentrl_fast.models.tiny import tiny_qwen3
 from agentrl_fast.train.distributed import World, init_world, shutdown
 from agentrl_fast.train.ppo import Trainer
@@ -67,6 +68,8 @@ def build(config: RunConfig):
     policy = tiny_qwen3(len(chat.tokenizer), hidden_size=m.hidden_size, num_layers=m.num_layers,
                         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                         seed=config.seed)
+    if m.fused_layers:
+        use_fused_layers(policy)
     return environment, chat, policy
 
 
