@@ -2,6 +2,7 @@
 and ChatFormat's token-level rendering (decodes back to the same text, with any HF tokenizer
 that has the Qwen3 tokens)."""
 
+import copy
 import json
 
 import pytest
@@ -259,6 +260,32 @@ def test_token_rendering_round_trips_random_conversations(builtin_tokenizer, tur
     messages = [{"role": role, "content": content} for role, content in turns]
     ids = chat.render_ids(messages, [ADD_TOOL], generation)
     assert chat.decode(ids) == render_messages(messages, [ADD_TOOL], generation)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.text(max_size=40), st.sampled_from(["builtin", "plain"]))
+def test_encode_is_the_tokenizers_encode(builtin_tokenizer, text, which):
+    """ChatFormat encodes through the fast tokenizer's backend (no wrapper overhead per call):
+    the same ids as the tokenizer's own ``encode``."""
+    tokenizer = builtin_tokenizer if which == "builtin" else plain_byte_tokenizer()
+    chat = ChatFormat(tokenizer)
+    assert chat._backend is not None
+    for piece in (text, "<|im_start|>" + text + "</tool_call>", text + "\n<tool_response>\n"):
+        assert chat.encode(piece) == list(tokenizer.encode(piece, add_special_tokens=False))
+
+
+def test_encode_keeps_a_tokenizer_whose_wrapper_differs_from_its_backend(builtin_tokenizer):
+    class Trimming(type(builtin_tokenizer)):  # drops trailing spaces before encoding
+        def encode(self, text, **kwargs):
+            return super().encode(text.rstrip(" \t"), **kwargs)
+
+    trimming = copy.deepcopy(builtin_tokenizer)
+    trimming.__class__ = Trimming
+    chat = ChatFormat(trimming)
+    assert chat._backend is None
+    text = "add note  "
+    assert chat.encode(text) == trimming.encode(text, add_special_tokens=False)
+    assert chat.encode(text) != builtin_tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_template_pieces_are_tokenized_alone(builtin_tokenizer):

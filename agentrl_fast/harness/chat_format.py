@@ -244,10 +244,33 @@ class ChatFormat:
         self.stop_ids = ((self.tool_call_close_id, self.im_end_id) if stop_mode == "tool_call"
                          else (self.im_end_id,))
         self._template_cache: dict[str, list[int]] = {}
+        self._backend = self._plain_backend(tokenizer)
+
+    @staticmethod
+    def _plain_backend(tokenizer):
+        """The ``tokenizers`` backend of a fast tokenizer when it encodes exactly as the wrapper
+        does (probed on template, tool-call and plain text), to skip the wrapper's per-call
+        overhead; else ``None``."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None or not hasattr(backend, "encode"):
+            return None
+        probes = (f"{IM_START}system\nYou are here.{IM_END}\n", "hello  world\n\n 42 ",
+                  f'{TOOL_CALL_OPEN}\n{{"name": "f", "arguments": {{"a": "x y"}}}}\n{TOOL_CALL_CLOSE}',
+                  " leading space, trailing tab\t", "ünïcödé ✓")
+        try:
+            same = all(backend.encode(text, add_special_tokens=False).ids
+                       == list(tokenizer.encode(text, add_special_tokens=False)) for text in probes)
+        except Exception:  # noqa: BLE001 - any backend quirk: keep the wrapper
+            return None
+        return backend if same else None
 
     def encode(self, text: str) -> list[int]:
         """``text`` alone as ids (no BOS/EOS added)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        if not text:
+            return []
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _template(self, text: str) -> list[int]:
         ids = self._template_cache.get(text)
