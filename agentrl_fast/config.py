@@ -189,8 +189,12 @@ def default_config() -> RunConfig:
     lists anyway, and RL on mixed 2-3-vault tasks learned a 2-vault shortcut there
     (``bench/results/learning.md``)."""
     return RunConfig(env=EnvConfig(min_vaults=3), train=TrainConfig(
-        algo="ppo", steps=100, tasks_per_step=8, micro_batch_tokens=16384, mini_batches=2,
-        epochs=2, policy_lr=1e-4, critic_lr=3e-3, gamma=1.0, kl_coef=0.0,
+        algo="ppo", steps=100, tasks_per_step=8, micro_batch_tokens=16384,
+        # One pass over each batch in four mini-batches of whole rollouts (verl's default
+        # ppo_epochs=1), the old log-probs taken from the rollout: the learning half of a step
+        # costs half of two epochs' (bench/results/main_job.md, session 13).
+        mini_batches=4, epochs=1, recompute_logprobs=False,
+        policy_lr=1e-4, critic_lr=3e-3, gamma=1.0, kl_coef=0.0,
         # Lambda 1 through compactions: every action token's advantage is its rollout's
         # return minus the critic's value there (bench/results/main_job.md, session 10).
         lam=1.0,
