@@ -189,7 +189,7 @@ def default_config() -> RunConfig:
     lists anyway, and RL on mixed 2-3-vault tasks learned a 2-vault shortcut there
     (``bench/results/learning.md``)."""
     return RunConfig(env=EnvConfig(min_vaults=3), train=TrainConfig(
-        algo="ppo", steps=100, tasks_per_step=8, micro_batch_tokens=16384,
+        algo="ppo", steps=80, tasks_per_step=8, micro_batch_tokens=16384,
         # One pass over each batch in four mini-batches of whole rollouts (verl's default
         # ppo_epochs=1), the old log-probs taken from the rollout: the learning half of a step
         # costs half of two epochs' (bench/results/main_job.md, session 13).

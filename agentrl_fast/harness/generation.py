@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ class _PrefixCache:
         # token matches, until the table is rebuilt without it).
         self._rows: dict[tuple, int] = {}
         self._keys: list[tuple | None] = []
-        self._table = torch.full((0, 0), -1, dtype=torch.long)
+        self._table = np.full((0, 0), -1, dtype=np.int64)
 
     @staticmethod
     def _size(kv: torch.Tensor) -> int:
@@ -160,7 +161,9 @@ class _PrefixCache:
             return 0, None, None
         table = self._table[:len(self._keys)]
         width = min(table.shape[1], len(prompt) - 1)
-        shared = (table[:, :width] == torch.tensor(prompt[:width])).cumprod(-1).sum(-1)
+        # Shared prefix of each kept row: the first mismatch, or all ``width`` positions.
+        differs = table[:, :width] != np.asarray(prompt[:width], dtype=np.int64)
+        shared = np.where(differs.any(-1), differs.argmax(-1), width)
         best = int(shared.argmax())
         n = int(shared[best])
         if n == 0:
@@ -191,10 +194,10 @@ class _PrefixCache:
         self.bytes += size
         rows, width = self._table.shape
         if len(self._keys) == rows or len(key) > width:  # grow (doubling) to fit the new row
-            grown = torch.full((max(2 * rows, 16), max(width, len(key))), -1, dtype=torch.long)
+            grown = np.full((max(2 * rows, 16), max(width, len(key))), -1, dtype=np.int64)
             grown[:rows, :width] = self._table
             self._table = grown
-        self._table[len(self._keys), :len(key)] = torch.tensor(key)
+        self._table[len(self._keys), :len(key)] = key
         self._rows[key] = len(self._keys)
         self._keys.append(key)
         while self.bytes > self.capacity:
