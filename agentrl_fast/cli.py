@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("gae", "varlen_attention", "token_logprobs", "ppo_loss", "rollout")
+BENCHMARKS = ("gae", "varlen_attention", "token_logprobs", "ppo_loss", "fused_layers", "rollout")
 
 
 def _train_config(args):

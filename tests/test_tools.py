@@ -795,6 +795,36 @@ def test_sync_tools_reuse_idle_threads_and_a_forked_child_starts_its_own():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_inline_tools_run_on_the_loop_thread_and_fail_like_others():
+    @tool(inline=True)
+    def where() -> str:
+        """The id of the thread the call runs on."""
+        return str(threading.get_ident())
+
+    @tool(inline=True)
+    def broken(x: int) -> str:
+        """Fail.
+
+        Args:
+            x: Anything.
+        """
+        raise RuntimeError(f"broken {x}")
+
+    assert where.inline and not which_thread.inline
+    reg = registry(where, broken, which_thread)
+    here = str(threading.get_ident())  # execute_sync runs its event loop on this thread
+    results = reg.execute_sync(parse_tool_calls(block("where", {}) + block("which_thread", {})
+                                                + block("broken", {"x": 3})
+                                                + block("broken", {"x": "no"})))
+    assert results[0].content == here and results[1].content != here
+    assert results[2].error == "tool_exception" and "RuntimeError: broken 3" in results[2].content
+    assert results[3].error == "wrong_type"  # arguments are checked before an inline call too
+    with pytest.raises(ValueError, match="inline tool .* cannot time out"):
+        tool(add.fn, name="inline_add", inline=True, timeout=1.0)
+    with pytest.raises(TypeError, match="inline must be a bool"):
+        tool(add.fn, name="inline_add", inline="yes")
+
+
 @pytest.mark.parametrize("timeout", [True, "1", 0, -1.0, float("nan")])
 def test_bad_timeouts_are_refused_naming_the_option(timeout):
     with pytest.raises((TypeError, ValueError), match="timeout must be > 0 seconds"):

@@ -198,3 +198,21 @@ def test_trajectory_sub_traces_chain():
     second.append_context([4])
     second.close("truncated")
     assert trajectory.done and trajectory.num_tokens == 4
+
+
+def test_token_ids_are_checked_and_stored_as_ints():
+    import numpy as np
+    import torch
+
+    s = SubTrace("r", index=0)
+    s.append_context([1, 2, 3])
+    s.append_context((np.int64(4), torch.tensor(5)))  # any integer with __index__
+    s.append_action([6], [-0.5])
+    assert s.ids == [1, 2, 3, 4, 5, 6] and all(type(t) is int for t in s.ids)
+    with pytest.raises(TypeError, match=r"ids\[1\] must be an int token id, got bool"):
+        s.append_context([7, True])
+    with pytest.raises(TypeError, match=r"must be an int token id, got float"):
+        s.append_context([7.0])
+    with pytest.raises(ValueError, match=r"\[2\] = -1: token ids must be >= 0"):
+        s.append_context([7, 8, -1])
+    assert s.ids == [1, 2, 3, 4, 5, 6]  # nothing appended by a refused call

@@ -280,10 +280,11 @@ class MemoryNamespace:
 
     def tools(self) -> list[Tool]:
         """``memory_write``, ``memory_read``, ``memory_search``, ``memory_delete`` and
-        ``memory_list``, bound to this namespace (outputs: see the module docstring)."""
+        ``memory_list``, bound to this namespace (outputs: see the module docstring); inline
+        tools (one short SQLite statement each, run on the rollout's event-loop thread)."""
         ns = self
 
-        @tool
+        @tool(inline=True)
         def memory_write(key: str, value: str) -> str:
             """Remember a text value under a key, replacing any earlier value of that key.
 
@@ -294,7 +295,7 @@ class MemoryNamespace:
             ns.write(key, value)
             return f"stored {_quote(key)}"
 
-        @tool
+        @tool(inline=True)
         def memory_read(key: str) -> str:
             """Read the value stored under a key.
 
@@ -304,7 +305,7 @@ class MemoryNamespace:
             value = ns.read(key)
             return f"no entry {_quote(key)}" if value is None else value
 
-        @tool
+        @tool(inline=True)
         def memory_search(query: str, limit: int = 5) -> str:
             """Find entries whose key or value contains any word of the query (ignoring case).
 
@@ -323,7 +324,7 @@ class MemoryNamespace:
             return f"{len(found)} match{'es' if len(found) > 1 else ''}, best first:\n" + \
                 "\n".join(lines)
 
-        @tool
+        @tool(inline=True)
         def memory_delete(key: str) -> str:
             """Forget the entry stored under a key.
 
@@ -332,7 +333,7 @@ class MemoryNamespace:
             """
             return f"{'deleted' if ns.delete(key) else 'no entry'} {_quote(key)}"
 
-        @tool
+        @tool(inline=True)
         def memory_list(prefix: str = "") -> str:
             """List the keys in memory (sorted), optionally only those starting with a prefix.
 

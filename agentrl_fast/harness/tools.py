@@ -56,7 +56,9 @@ class Tool:
     """A function the model can call. Build one with :func:`tool`; calling it calls ``fn``.
 
     ``parameters`` is the JSON schema (an ``object``) of the arguments; ``timeout`` in seconds
-    (``None``: the registry's default).
+    (``None``: the registry's default). ``inline``: a sync tool runs on the rollout's event-loop
+    thread instead of a thread of its own (for short, trusted functions: no thread handoff per
+    call, and no timeout).
     """
 
     name: str
@@ -65,6 +67,7 @@ class Tool:
     fn: Callable[..., Any]
     timeout: float | None = None
     returns: dict | None = None
+    inline: bool = False
 
     @property
     def is_async(self) -> bool:
@@ -85,7 +88,7 @@ class Tool:
 
 
 def tool(fn: Callable | None = None, *, name: str | None = None, description: str | None = None,
-         timeout: float | None = None):
+         timeout: float | None = None, inline: bool = False):
     """Turn a typed, documented function into a :class:`Tool` (usable bare or with options).
 
     ::
@@ -105,9 +108,12 @@ def tool(fn: Callable | None = None, *, name: str | None = None, description: st
 
     Every argument needs a type hint and a line under ``Args:``; otherwise a ``TypeError``
     names the function and the argument. ``timeout`` (seconds) overrides the registry default.
+    ``inline=True`` runs a sync tool on the event loop's thread (short, trusted functions: the
+    built-in environment's); it cannot time out, so it takes no ``timeout``.
     """
     if fn is None:
-        return functools.partial(tool, name=name, description=description, timeout=timeout)
+        return functools.partial(tool, name=name, description=description, timeout=timeout,
+                                 inline=inline)
     if isinstance(fn, Tool):
         raise TypeError(f"tool: {fn.name!r} is already a Tool")
     if not callable(fn):
@@ -115,6 +121,11 @@ def tool(fn: Callable | None = None, *, name: str | None = None, description: st
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
                                 or not timeout > 0):
         raise ValueError(f"tool: timeout must be > 0 seconds, got {timeout!r}")
+    if not isinstance(inline, bool):
+        raise TypeError(f"tool: inline must be a bool, got {type(inline).__name__}")
+    if inline and timeout is not None:
+        raise ValueError("tool: an inline tool runs on the event loop's thread and cannot time "
+                         "out; give it no timeout")
     from transformers.utils import get_json_schema
     # A callable object is described by its __call__ (self excluded), named by its class.
     described = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else fn.__call__
@@ -129,7 +140,7 @@ def tool(fn: Callable | None = None, *, name: str | None = None, description: st
         raise ValueError(f"tool: name must be a non-empty string, got {tool_name!r}")
     return Tool(name=tool_name, description=description or schema.get("description", ""),
                 parameters=schema["parameters"], fn=fn, timeout=timeout,
-                returns=schema.get("return"))
+                returns=schema.get("return"), inline=inline)
 
 
 @dataclass(frozen=True)
@@ -378,6 +389,8 @@ class ToolRegistry:
         try:
             if t.is_async:
                 value = await asyncio.wait_for(_call_async(t.fn, arguments), timeout)
+            elif t.inline:
+                value = _call_sync(t.fn, arguments)
             else:
                 value = await asyncio.wait_for(_in_thread(t.fn, arguments), timeout)
         except (asyncio.TimeoutError, TimeoutError):  # only wait_for's: the tool's own are _Raised

@@ -29,6 +29,8 @@ END_KINDS = ("terminal", "truncated", "continued")
 
 
 def _check_ids(ids: Sequence[int], name: str) -> list[int]:
+    if type(ids) is list and all(type(token) is int for token in ids) and (not ids or min(ids) >= 0):
+        return list(ids)  # the common case, without a Python step per token
     out = []
     for i, token in enumerate(ids):
         if isinstance(token, bool) or not isinstance(token, int) and not hasattr(token, "__index__"):

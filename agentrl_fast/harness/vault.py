@@ -102,7 +102,7 @@ class VaultEpisode:
         self.prompt = task_prompt(self.world.vaults)
         codes = dict(zip(self.world.vaults, self.world.codes))
 
-        @tool
+        @tool(inline=True)
         def open_vault(name: str) -> str:
             """Open a vault and read its code.
 
@@ -120,7 +120,7 @@ class VaultEpisode:
                 raise RuntimeError(f"vault {name} is empty; it showed its code once")
             return f"vault {name}: code {codes[name]}"
 
-        @tool
+        @tool(inline=True)
         def submit_code(vault: str, code: str) -> str:
             """Hand in a vault's code (once per vault, after every vault has been opened).
 
