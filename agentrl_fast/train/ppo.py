@@ -373,7 +373,10 @@ class Trainer:
             batch = pack_sub_traces(sub_traces, group, rollout_index).to(self.device)
             inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
             # Results are kept on the CPU (advantages are computed there, ranks gather them).
-            with self._beside(self.critic is not None) as beside:
+            # The critic scores beside the policy only when the policy has scoring to do.
+            policy_scores = (self.config.recompute_logprobs or self.value_head is not None
+                             or self.reference is not None)
+            with self._beside(self.critic is not None and policy_scores) as beside:
                 critic_job = beside(_values_without_grad, self.critic, inputs) \
                     if self.critic is not None else None
                 self._score_policy(group, batch, inputs, old, ref, values, last)
