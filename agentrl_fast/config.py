@@ -55,26 +55,19 @@ class ModelConfig:
 
 @dataclass
 class WarmStartConfig:
-    """Supervised warm-start: ``demos`` expert rollouts (the first train tasks), at most
-    ``steps`` AdamW steps. With ``target_success``, every ``check_every`` steps the policy runs
-    greedily on ``check_tasks`` validation tasks and the warm-start ends once its success
-    reaches ``target_success`` in ``confirm_checks`` checks in a row. Once a check reaches
-    ``fine_check_from`` the checks come every ``fine_check_every`` steps: the supervised
-    transition can pass from 0.16 to 0.92 within 50 steps, and a coarse cadence overshoots
-    the target (``bench/results/main_job.md``, sessions 9 and 10). From 0.2 rather than 0.1:
-    replayed on session 11's three warm-starts, the same stopping steps after 14–28 checks
-    instead of 18–49 (each one 50 greedy rollouts). The aim is a policy that has
-    learned the mechanics but leaves the rest to RL, at the same point whatever the seed (the
-    speed of the supervised phase varies by about 2x across seeds). One check is not enough:
-    the first one past the target can catch a policy mid-transition that succeeds greedily but
-    not when sampled, and RL from there stalls (``bench/results/main_job.md``, session 9). The
-    validation tasks are the last held-out tasks (vault lists never trained on), none of them
-    among the ``eval.tasks`` the final evaluation uses: success on train-split lists runs far
-    ahead of held-out success (0.48 vs 0.005 for one seed, with 2–3-vault tasks).
+    """Supervised warm-start on expert demonstrations, stopped by a validation target.
+
+    ``demos`` expert rollouts (the first train tasks) are imitated for at most ``steps`` AdamW
+    steps at ``lr``, ``batch_sequences`` sub-traces a step. With ``target_success`` set, the
+    policy runs greedily on ``check_tasks`` validation tasks every ``check_every`` steps (every
+    ``fine_check_every`` once a check reaches ``fine_check_from``), and the warm-start ends when
+    ``confirm_checks`` checks in a row reach ``target_success``. The validation tasks are the
+    last held-out tasks, never among the ``eval.tasks`` of the final evaluation. Why a target and
+    not a step count, two checks and a finer cadence: the supervised transition comes at a
+    seed-dependent step and can be short (docs/experiments.md, warm-start stopping rule).
     ``expert_save_probability`` / ``expert_read_probability`` / ``expert_retry_probability``
     below 1 make the expert careless (``expert_action``: it skips saving or reading back some
-    codes, or gives up some jammed vaults), so the demonstrations leave something for RL to
-    improve on."""
+    codes, or gives up some jammed vaults)."""
 
     demos: int = 2000
     steps: int = 800
@@ -187,16 +180,16 @@ def default_config() -> RunConfig:
     """The embedded default (what ``agentrl-fast train`` runs with no arguments). Every task
     has three vaults: the held-out split (vault lists never in the train split) is all 3-vault
     lists anyway, and RL on mixed 2-3-vault tasks learned a 2-vault shortcut there
-    (``bench/results/learning.md``)."""
+    (docs/experiments.md)."""
     return RunConfig(env=EnvConfig(min_vaults=3), train=TrainConfig(
         algo="ppo", steps=80, tasks_per_step=8, micro_batch_tokens=16384,
         # One pass over each batch in four mini-batches of whole rollouts (verl's default
-        # ppo_epochs=1), the old log-probs taken from the rollout: the learning half of a step
-        # costs half of two epochs' (bench/results/main_job.md, session 13).
+        # ppo_epochs=1), the old log-probs taken from the rollout: half the learning cost of two
+        # epochs, learning as fast per step (docs/experiments.md).
         mini_batches=4, epochs=1, recompute_logprobs=False,
         policy_lr=1e-4, critic_lr=3e-3, gamma=1.0, kl_coef=0.0,
         # Lambda 1 through compactions: every action token's advantage is its rollout's
-        # return minus the critic's value there (bench/results/main_job.md, session 10).
+        # return minus the critic's value there (docs/experiments.md).
         lam=1.0,
         entropy_coef=0.0,
         loss_agg_mode="rollout-mean",  # each episode counts once, whatever its length

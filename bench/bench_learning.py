@@ -14,8 +14,8 @@ per held-out task at the training temperature measure how often the policy finds
 all (pass@1, pass@k): policy-gradient methods sharpen what the policy already samples, so a
 low pass@k bounds what RL can reach quickly.
 
-Output: one JSON line per evaluation and per step (``--out``), a table on stdout. Results and
-their reading: ``bench/results/learning.md``.
+Output: one JSON line per evaluation and per step (``--out``), a table on stdout. What its runs
+decided: ``docs/experiments.md``.
 
 Usage (from the repository root; about 6 s per step and variant on 2 CPU cores)::
 

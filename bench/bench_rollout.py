@@ -89,7 +89,7 @@ QUIET_CORES = 0.25
 
 
 class ToolClock:
-    """Start/end times of every tool call (thread-safe: sync tools run in threads of their own)."""
+    """Start/end times of every tool call (thread-safe: sync tools run in worker threads)."""
 
     def __init__(self):
         self.lock = threading.Lock()

@@ -2,7 +2,7 @@
 model's RMSNorm modules and SwiGLU MLPs run :mod:`agentrl_fast.ops.fused_layers` instead of
 HF's chains of elementwise ops. Parameters, state dicts and outputs (up to float rounding) stay
 the same; on the CPU the training step of a small model gets markedly faster (the norms alone
-are about a sixth of it; bench/results/main_job.md).
+are about a sixth of it; numbers in docs/experiments.md).
 
 ``use_fused_layers(model)`` swaps each such module's class for a subclass whose ``forward``
 calls the fused op, so copies (``copy.deepcopy``, a reference model) keep it, and

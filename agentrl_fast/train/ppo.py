@@ -75,7 +75,7 @@ class TrainConfig:
     # sequence; with lam = 1 every token's return is its rollout's return). True restarts it at
     # each compaction, leaving everything after one to the critic's value there: on the vault
     # task's 6-sub-trace episodes the outcome then reaches the early sub-traces only as fast
-    # as the critic learns it (bench/results/main_job.md, session 10).
+    # as the critic learns it (docs/experiments.md).
     gae_restart_at_compaction: bool = False
     bootstrap_truncated: bool = True  # False: a limit ends the episode (see train.advantages)
     whiten_advantages: bool = True
