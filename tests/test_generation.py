@@ -356,6 +356,23 @@ def test_prefix_cache_capacity():
             TorchGenerator(model, prefix_cache_bytes=bad)
 
 
+def test_prefix_cache_lookup_table_stays_proportional_to_what_it_keeps():
+    """Kept ids grow every turn (each prompt extends the last): the lookup table grows each
+    dimension only when it is the one too small, so its size stays within a small factor of
+    the longest key times the number of keys, and lookups still find the longest prefix."""
+    from agentrl_fast.harness.generation import _PrefixCache
+
+    cache = _PrefixCache(capacity=1 << 40)
+    kv = torch.zeros(1, 2, 1, 1, 1)
+    keys = [tuple(range(10 + 3 * i)) for i in range(12)]  # 12 turns, each 3 tokens longer
+    for key in keys:
+        cache.put(key, kv)
+    rows, width = cache._table.shape
+    assert rows <= 2 * len(keys) and width <= 2 * len(keys[-1]), (rows, width)
+    n, key, _ = cache.longest_prefix(list(range(500)))
+    assert key == keys[-1] and n == len(keys[-1])
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Stops
 

@@ -193,8 +193,12 @@ class _PrefixCache:
         self.entries[key] = kv
         self.bytes += size
         rows, width = self._table.shape
-        if len(self._keys) == rows or len(key) > width:  # grow (doubling) to fit the new row
-            grown = np.full((max(2 * rows, 16), max(width, len(key))), -1, dtype=np.int64)
+        if len(self._keys) == rows or len(key) > width:  # grow to fit the new row
+            # Each dimension doubles only when it is the one too small (a longer key must not
+            # double the rows: prompts grow every turn).
+            grown = np.full((max(2 * rows, 16) if len(self._keys) == rows else rows,
+                             max(2 * width, len(key)) if len(key) > width else width), -1,
+                            dtype=np.int64)
             grown[:rows, :width] = self._table
             self._table = grown
         self._table[len(self._keys), :len(key)] = key
