@@ -5,7 +5,7 @@ memory and wgmma use, per triton version, as a markdown table for ``bench/result
 
 runs ``tests/triton_aot.py`` under this Python and each PYTHON given (e.g. a side environment
 with triton 3.6) and writes the table. No GPU needed: the compiles are ahead of time
-(``GPUTarget("cuda", 90, 32)``, ptxas ``-arch=sm_90a -v`` from triton's NVIDIA backend).
+(``GPUTarget("cuda", 90, 32)``; registers and spills from the ptxas run of triton's compile).
 """
 
 import datetime

@@ -1,7 +1,8 @@
-"""Shared test helpers: packed-batch generation, GAE tolerances, subprocess runner, gpu marker.
+"""Shared test helpers: packed-batch generation, GAE tolerances, subprocess runner, gpu marker,
+children started in the background (tests/background.py).
 
-Helpers are exposed as fixtures (``packed_batch``, ``assert_gae_close``, ``run_in_subprocess``)
-so that test modules need not import this file.
+Helpers are exposed as fixtures (``packed_batch``, ``assert_gae_close``, ``run_in_subprocess``,
+``background_result``) so that test modules need not import this file.
 """
 
 import os
@@ -15,20 +16,48 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
+import background
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # ---------------------------------------------------------------------------------------------
 # The gpu marker: tests marked `gpu` skip (with a reason, listed by `-ra`) when no CUDA device is
 # visible. When a device is visible they run, and fail if the extension lacks its CUDA kernels.
+# Tests whose module defines ``background_command`` get their child process started now and run
+# last (tests/background.py).
 
 
+@pytest.hookimpl(trylast=True)  # after -k, -m and --deselect have removed what will not run
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="gpu: torch.cuda.is_available() is False")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="gpu: torch.cuda.is_available() is False")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    # Not in pytest-xdist's workers: each collects every test, whichever it runs.
+    if not config.option.collectonly and "PYTEST_XDIST_WORKER" not in os.environ:
+        items[:] = background.start_for(items)
+
+
+def pytest_sessionfinish(session):
+    background.stop_all()
+
+
+@pytest.fixture
+def background_result(request):
+    """``background_result(command: background.Command) -> subprocess.CompletedProcess``: the
+    result of this test's child started in the background, or of ``command`` run now when none
+    was started (tests/background.py)."""
+    def result(command):
+        started = background.STARTED.get(request.node.nodeid)
+        if started is None:
+            started = background.Background.start(command)
+        # (The environment may differ: pytest sets PYTEST_CURRENT_TEST while a test runs.)
+        assert (started.command.argv, started.command.cwd) == (command.argv, command.cwd), (
+            f"the test's command {command.argv} differs from the one started "
+            f"{started.command.argv}")
+        return started.result()
+    return result
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,17 +113,28 @@ SAME = ("reward", "success", "tokens", "sub_traces", "policy_loss", "value_loss"
         "logprob_mismatch_max")
 
 
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """The worker without torchrun (no world: the strategy is not read), shared by the FSDP2 and
+    DDP comparisons."""
+    folder = tmp_path_factory.mktemp("one-process")
+    script, out = folder / "worker.py", folder / "one.pt"
+    script.write_text(WORKER.format(tests=str(ROOT / "tests")))
+    subprocess.run([sys.executable, str(script), str(out), "fsdp"], cwd=ROOT, env=ENV,
+                   check=True, timeout=240)
+    return torch.load(out)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_two_ranks_equal_one_process_on_the_same_global_batch(tmp_path, strategy):
+def test_two_ranks_equal_one_process_on_the_same_global_batch(tmp_path, strategy,
+                                                              one_process_run):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(ROOT / "tests")))
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    subprocess.run([sys.executable, str(script), str(one), strategy], cwd=ROOT, env=ENV,
-                   check=True, timeout=240)
+    two = tmp_path / "two.pt"
     result = torchrun(2, str(script), str(two), strategy)
     assert result.returncode == 0, result.stderr[-3000:]
-    a, b = torch.load(one), torch.load(two)
+    a, b = one_process_run, torch.load(two)
     for row_a, row_b in zip(a["rows"], b["rows"], strict=True):
         for key in SAME:
             assert row_b[key] == pytest.approx(row_a[key], rel=1e-4, abs=1e-6), key

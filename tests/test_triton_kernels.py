@@ -3,23 +3,28 @@ CPU by the interpreter in child processes.
 
 - AOT: ``tests/triton_aot.py`` compiles every configuration of ``kernels/*.py`` (``aot_specs()``)
   for sm_90 with no GPU and fails on compile errors or register spills. It runs under this
-  process's triton and under each Python listed in ``AGENTRL_FAST_TRITON_PYTHONS`` (CI sets one
-  with triton 3.6, the GPU machine's version, in a side environment without torch).
+  process's triton and under triton 3.6, the GPU machine's version, in the side environment
+  ``triton36`` without torch (``tools/setup_test_env.sh``).
 - Interpreter: the tests in ``tests/interpret/`` run kernels with ``TRITON_INTERPRET=1``, which
   triton reads when a kernel is defined, so they run in their own pytest process, one per file.
+
+Each test is one child process, started when the session starts at low priority and collected at
+the end of the run (``tests/background.py``).
 """
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from background import Command
+from side_envs import find_side_env, side_env_python
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-PYTHONS = [sys.executable] + [p for p in os.environ.get("AGENTRL_FAST_TRITON_PYTHONS", "").split(os.pathsep) if p]
+TRITONS = ["installed", "triton36"]  # this process's triton; the side environment's
 INTERPRET_FILES = sorted(p.name for p in (TESTS / "interpret").glob("test_*.py"))
 
 
@@ -27,12 +32,31 @@ def _shipped_kernel_modules():
     return [p for p in (ROOT / "kernels").glob("*.py") if "def aot_specs" in p.read_text()]
 
 
-@pytest.mark.slow  # minutes on a 2-core machine: every configuration of every kernel, twice
-@pytest.mark.parametrize("python", PYTHONS)
-def test_every_kernel_configuration_compiles_for_sm90_without_spills(python):
+def _aot_command(python) -> Command:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([python, str(TESTS / "triton_aot.py")], capture_output=True, text=True,
-                            timeout=600, cwd=ROOT, env=env)
+    return Command([str(python), str(TESTS / "triton_aot.py")], cwd=str(ROOT), env=env,
+                   timeout=600)
+
+
+def _interpreter_command(test_file: str) -> Command:
+    return Command([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    str(TESTS / "interpret" / test_file)], cwd=str(ROOT),
+                   env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
+
+
+def background_command(params: dict) -> Command | None:
+    """Each test here is one child process, started in the background (tests/background.py)."""
+    if "test_file" in params:
+        return _interpreter_command(params["test_file"])
+    python = sys.executable if params["triton"] == "installed" else find_side_env(params["triton"])[0]
+    return None if python is None else _aot_command(python)
+
+
+@pytest.mark.slow  # minutes on a 2-core machine: every configuration of every kernel, twice
+@pytest.mark.parametrize("triton", TRITONS)
+def test_every_kernel_configuration_compiles_for_sm90_without_spills(triton, background_result):
+    python = sys.executable if triton == "installed" else side_env_python(triton)
+    result = background_result(_aot_command(python))
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert lines and lines[-1].get("summary"), result.stderr[-4000:]
     summary = lines[-1]
@@ -44,9 +68,6 @@ def test_every_kernel_configuration_compiles_for_sm90_without_spills(python):
 
 
 @pytest.mark.parametrize("test_file", INTERPRET_FILES)
-def test_interpreter_suite(test_file):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             str(TESTS / "interpret" / test_file)],
-                            capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+def test_interpreter_suite(test_file, background_result):
+    result = background_result(_interpreter_command(test_file))
     assert result.returncode == 0, (result.stdout[-6000:] + result.stderr[-2000:])

@@ -1,6 +1,5 @@
 """The Triton kernels of ``varlen_attention`` compiled for sm_90 (no GPU needed), under this
-process's triton and each Python of ``AGENTRL_FAST_TRITON_PYTHONS`` (CI: triton 3.6 in a side
-environment without torch): the bf16 forward's PTX uses ``wgmma`` (Hopper's matrix path), and
+process's triton and under triton 3.6 (the side environment ``triton36``, without torch): the bf16 forward's PTX uses ``wgmma`` (Hopper's matrix path), and
 the bf16/fp16 forwards at D = 64 and 128 use no spill. (``tests/test_triton_kernels.py``
 compiles every configuration; the compile report is ``bench/results/triton_compile.md`` (``python bench/triton_compile_report.py``).)
 """
@@ -13,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from side_envs import side_env_python
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-PYTHONS = [sys.executable] + [p for p in os.environ.get("AGENTRL_FAST_TRITON_PYTHONS", "").split(os.pathsep) if p]
+TRITONS = ["installed", "triton36"]  # this process's triton; the side environment's
 HOT = [f"varlen_attention_forward_{dtype}_d{head_dim}" for dtype in ("bf16", "fp16")
        for head_dim in (64, 128)]
 
@@ -31,8 +32,9 @@ for module in triton_aot.load_kernel_modules():
 """
 
 
-@pytest.mark.parametrize("python", PYTHONS)
-def test_hot_forward_configurations_use_wgmma_and_do_not_spill(python):
+@pytest.mark.parametrize("triton", TRITONS)
+def test_hot_forward_configurations_use_wgmma_and_do_not_spill(triton):
+    python = sys.executable if triton == "installed" else side_env_python(triton)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([python, "-c", SCRIPT.format(tests=str(TESTS)), json.dumps(HOT)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)

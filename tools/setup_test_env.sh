@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Prepares the side environments the tests need beside the main one (each a virtual environment
+# of its own, because it pins packages the main environment must not get), and reuses one whose
+# requirements have not changed since it was built.
+#
+#   bash tools/setup_test_env.sh            # every side environment in tools/side-envs/
+#   bash tools/setup_test_env.sh triton36   # only the named ones
+#
+# Side environments live in $AGENTRL_FAST_SIDE_ENVS (default ~/.cache/agentrl_fast/side-envs),
+# one folder per tools/side-envs/NAME.txt; tests find them there (tests/side_envs.py). An
+# environment is rebuilt when its requirements file differs from the copy stored inside it.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+specs="$root/tools/side-envs"
+home=${AGENTRL_FAST_SIDE_ENVS:-$HOME/.cache/agentrl_fast/side-envs}
+python=${PYTHON:-python3}
+mkdir -p "$home"
+
+names=("$@")
+if [ ${#names[@]} -eq 0 ]; then
+  for spec in "$specs"/*.txt; do names+=("$(basename "$spec" .txt)"); done
+fi
+
+for name in "${names[@]}"; do
+  spec="$specs/$name.txt"
+  [ -f "$spec" ] || { echo "setup_test_env: no side environment named $name ($spec)" >&2; exit 2; }
+  env_dir="$home/$name"
+  if [ -x "$env_dir/bin/python" ] && cmp -s "$spec" "$env_dir/requirements.txt"; then
+    echo "setup_test_env: $name is up to date ($env_dir)"
+    continue
+  fi
+  echo "setup_test_env: building $name in $env_dir"
+  start=$(date +%s)
+  rm -rf "$env_dir"
+  "$python" -m venv "$env_dir"
+  "$env_dir/bin/python" -m pip install -q --disable-pip-version-check -r "$spec"
+  # Written last: an interrupted build is rebuilt next time.
+  cp "$spec" "$env_dir/requirements.txt"
+  echo "setup_test_env: $name ready in $(( $(date +%s) - start )) s"
+done
