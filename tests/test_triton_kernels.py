@@ -2,7 +2,8 @@
 CPU by the interpreter in child processes.
 
 - AOT: ``tests/triton_aot.py`` compiles every configuration of ``kernels/*.py`` (``aot_specs()``)
-  for sm_90 with no GPU and fails on compile errors or register spills. It runs under this
+  for sm_90 with no GPU and fails on compile errors or register spills; the hot attention
+  forwards must not spill and, in bf16, must use wgmma. It runs under this
   process's triton and under triton 3.6, the GPU machine's version, in the side environment
   ``triton36`` without torch (``tools/setup_test_env.sh``).
 - Interpreter: the tests in ``tests/interpret/`` run kernels with ``TRITON_INTERPRET=1``, which
@@ -25,6 +26,8 @@ from side_envs import find_side_env, side_env_python
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 TRITONS = ["installed", "triton36"]  # this process's triton; the side environment's
+HOT = [f"varlen_attention_forward_{dtype}_d{head_dim}" for dtype in ("bf16", "fp16")
+       for head_dim in (64, 128)]
 INTERPRET_FILES = sorted(p.name for p in (TESTS / "interpret").glob("test_*.py"))
 
 
@@ -65,6 +68,16 @@ def test_every_kernel_configuration_compiles_for_sm90_without_spills(triton, bac
     # Every module that ships kernels contributes configurations.
     if _shipped_kernel_modules():
         assert summary["configurations"] > 0
+    # The hot attention forwards (bf16/fp16 at D = 64 and 128) do not spill, and the bf16 ones
+    # use wgmma, Hopper's matrix path.
+    rows = {row["name"]: row for row in lines[:-1]}
+    assert set(HOT) <= set(rows), sorted(set(HOT) - set(rows))
+    for name in HOT:
+        row = rows[name]
+        assert row["ok"] and row["ptxas_ok"], json.dumps(row)[-3000:]
+        assert row["spill_bytes"] == 0, f"{name} spills {row['spill_bytes']} bytes ({row['triton']})"
+        if "_bf16_" in name:
+            assert row["wgmma"], f"{name}: no wgmma in the PTX under triton {row['triton']}"
 
 
 @pytest.mark.parametrize("test_file", INTERPRET_FILES)
