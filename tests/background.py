@@ -32,6 +32,8 @@ class Command:
 
 @dataclass
 class Background:
+    """A started ``command``: its process and the files its output goes to."""
+
     command: Command
     process: subprocess.Popen
     stdout: object
