@@ -116,9 +116,13 @@ class CMakeBuild(build_ext):
                 f"-DCMAKE_CUDA_ARCHITECTURES={cuda_archs_for_cmake(torch)}",
             ]
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
+        cmake = shutil.which("cmake")
+        if cmake is None:  # --no-build-isolation installs none of pyproject's build requirements
+            raise SystemExit("agentrl_fast build failed: cmake not found on PATH "
+                             "(pip install 'cmake>=3.21' ninja, or the system's package)")
         try:
-            subprocess.run(["cmake", *args], check=True)
-            subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs], check=True)
+            subprocess.run([cmake, *args], check=True)
+            subprocess.run([cmake, "--build", str(build_dir), "-j", jobs], check=True)
         except subprocess.CalledProcessError as error:
             if build_cuda and os.environ.get("AGENTRL_FAST_CUDA") != "1":
                 # Unset mode: CUDA if possible, else a working CPU install and one line saying why.
