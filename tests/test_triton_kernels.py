@@ -3,9 +3,9 @@ CPU by the interpreter in child processes.
 
 - AOT: ``tests/triton_aot.py`` compiles every configuration of ``kernels/*.py`` (``aot_specs()``)
   for sm_90 with no GPU and fails on compile errors or register spills; the hot attention
-  forwards must not spill and, in bf16, must use wgmma. It runs under this
-  process's triton and under triton 3.6, the GPU machine's version, in the side environment
-  ``triton36`` without torch (``tools/setup_test_env.sh``).
+  forwards must not spill and, in bf16, must use wgmma. It runs under this process's triton and
+  under triton 3.6, the GPU machine's version, in the side environment ``triton36`` without
+  torch (``tools/setup_test_env.sh``).
 - Interpreter: the tests in ``tests/interpret/`` run kernels with ``TRITON_INTERPRET=1``, which
   triton reads when a kernel is defined, so they run in their own pytest process, one per file.
 
@@ -51,7 +51,9 @@ def background_command(params: dict) -> Command | None:
     """Each test here is one child process, started in the background (tests/background.py)."""
     if "test_file" in params:
         return _interpreter_command(params["test_file"])
-    python = sys.executable if params["triton"] == "installed" else find_side_env(params["triton"])[0]
+    if params["triton"] == "installed":
+        return _aot_command(sys.executable)
+    python, _ = find_side_env(params["triton"])  # missing: the test skips or fails itself
     return None if python is None else _aot_command(python)
 
 

@@ -9,10 +9,10 @@ any triton version in a side environment: ``python tests/triton_aot.py``. Each m
      "allow_spills": bool (optional, default False)}
 
 one per configuration the launcher can pick. For each, this prints one JSON line: name, triton
-version, compile seconds, registers, spill bytes (the report of the ptxas run triton's compile makes itself, with
-its own flags), shared memory, and whether the PTX uses wgmma. Exit status 1 when a
-configuration fails to compile or spills. Each compile gets a fresh triton cache, so each runs
-ptxas.
+version, compile seconds, registers, spill bytes (the report of the ptxas run triton's compile
+makes itself, with its own flags), shared memory, and whether the PTX uses wgmma. Exit status 1
+when a configuration fails to compile or spills. Each compile gets a fresh triton cache, so each
+runs ptxas.
 """
 
 import contextlib
