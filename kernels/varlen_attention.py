@@ -82,10 +82,11 @@ def forward_config(dtype: str, head_dim: int) -> dict:
 def backward_config(dtype: str, head_dim: int) -> dict:
     """Launch configuration of the backward: tile ``BLOCK`` tokens, inner ``STEP`` rows."""
     padded = padded_head_dim(head_dim)
-    if dtype == "fp32":
+    if dtype == "fp32":  # (ptxas: no spills at D <= 128, 496 bytes at D 256; with 4 warps
+        # D 256 spilled 17-171 KB and took ptxas a minute)
         if padded <= 64:
-            return dict(BLOCK=64, STEP=32, num_warps=4, num_stages=1)
-        return dict(BLOCK=32, STEP=32, num_warps=4, num_stages=1)
+            return dict(BLOCK=64, STEP=32, num_warps=8, num_stages=1)
+        return dict(BLOCK=32, STEP=16, num_warps=8, num_stages=1)
     if padded <= 128:  # (ptxas: 48 / 1300 spill bytes at D 64 / 128; 128-token tiles spill more)
         return dict(BLOCK=64, STEP=64, num_warps=8, num_stages=2)
     return dict(BLOCK=64, STEP=32, num_warps=8, num_stages=1)
