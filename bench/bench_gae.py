@@ -486,11 +486,13 @@ def run(args: argparse.Namespace) -> list[common.Row]:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     names = MIXES if args.mix == "all" else (args.mix,)
     providers = baselines(args, device)
-    rows = []
+    rows, path = [], None
     for name in names:
         # With --tiny the timed instance is the small one: bench_mix checks the providers on it.
         check_small(name, device, dtype, args, [] if args.tiny else providers)
-        rows += bench_mix(name, device, dtype, args, providers)
+        new = bench_mix(name, device, dtype, args, providers)
+        path = common.write_rows(new, "gae", args.out)  # as it goes: a run cut off keeps them
+        rows += new
         if device.type == "cuda":
             torch.cuda.empty_cache()
     common.print_table(rows)
@@ -500,7 +502,6 @@ def run(args: argparse.Namespace) -> list[common.Row]:
         if row.provider == "agentrl_fast":
             print(f"  agentrl_fast {row.shape}: {row.gbps:.2f} GB/s = "
                   f"{row.gbps / bandwidth:.1%} of copy bandwidth")
-    path = common.write_rows(rows, "gae", args.out)
     print(f"rows appended to {path}")
     return rows
 
@@ -517,7 +518,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gamma", type=float, default=1.0)
     parser.add_argument("--lam", type=float, default=0.95)
     parser.add_argument("--max-seconds", type=float, default=10.0,
-                        help="CPU: stop repeating a provider after this many seconds")
+                        help="stop repeating a provider after about this many seconds")
     parser.add_argument("--max-loop-len", type=int, default=None,
                         help="longest sequence verl-loop runs on before it is extrapolated "
                              "(default 65536 on the CPU, 4096 on CUDA)")

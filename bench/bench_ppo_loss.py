@@ -135,12 +135,14 @@ def run(args: argparse.Namespace) -> list[Row]:
     providers = {"agentrl_fast": ours, "eager (verl/TRL)": eager_loss}
     if not args.no_compile:
         providers["torch.compile(eager)"] = torch.compile(eager_loss, dynamic=True)
-    rows = []
+    if args.only_compiled:  # the GPU suite's last stage: compiled baselines after the others
+        providers = {k: v for k, v in providers.items() if k == "agentrl_fast" or "compile" in k}
+    rows, path = [], None
     for num_tokens in sizes:
         inputs = make_inputs(num_tokens, device, dtype, args.seed)
         shape = f"T={num_tokens} actions={int(inputs['action_mask'].sum())}"
         reference = step(ours, inputs)
-        ours_ms = None
+        ours_ms, new = None, []
         for name, fn in providers.items():
             start = time.perf_counter()
             error = check(f"{shape}: {name}", step(fn, inputs), reference, dtype)
@@ -158,14 +160,17 @@ def run(args: argparse.Namespace) -> list[Row]:
             ms = common.benchmark(lambda: step(fn, inputs), device, **timing)
             ours_ms = ours_ms or ms
             seconds = ms * 1e-3
-            rows.append(Row(op="ppo_loss", provider=name, shape=shape,
-                            dtype=str(dtype).removeprefix("torch."), device=common.device_name(device),
-                            time_ms=ms, tokens_per_s=num_tokens / seconds,
-                            gbps=bytes_moved(num_tokens, dtype) / seconds / 1e9, ratio=ms / ours_ms,
-                            peak_gib=None if peak is None else peak / 1024))
+            new.append(Row(op="ppo_loss", provider=name, shape=shape,
+                           dtype=str(dtype).removeprefix("torch."),
+                           device=common.device_name(device), time_ms=ms,
+                           tokens_per_s=num_tokens / seconds,
+                           gbps=bytes_moved(num_tokens, dtype) / seconds / 1e9, ratio=ms / ours_ms,
+                           peak_gib=None if peak is None else peak / 1024))
             mem = f", peak {peak:.2f} MiB" if peak is not None else ""
             print(f"  {shape} {name}: {ms:.3f} ms (checked: rel error {error:.1e}; first call "
                   f"{warm_s:.1f} s{mem})", flush=True)
+        path = common.write_rows(new, "ppo_loss", args.out)  # as it goes: kept if cut off
+        rows += new
         if device.type == "cuda":
             torch.cuda.empty_cache()
     common.print_table(rows)
@@ -175,7 +180,6 @@ def run(args: argparse.Namespace) -> list[Row]:
         print(f"  {row.provider} {row.shape}: {row.gbps:.2f} GB/s of the bytes our op moves = "
               f"{row.gbps / bandwidth:.1%} of copy bandwidth; peak memory "
               f"{'-' if row.peak_gib is None else f'{row.peak_gib * 1024:.2f} MiB'}")
-    path = common.write_rows(rows, "ppo_loss", args.out)
     print(f"rows appended to {path}")
     return rows
 
@@ -188,10 +192,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="per-token inputs (default bfloat16 on CUDA, float32 on the CPU)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (CI dry run)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
+    parser.add_argument("--only-compiled", action="store_true",
+                        help="ours and torch.compile only (the GPU suite's compiled stage)")
     parser.add_argument("--out", default=None, help="folder for ppo_loss.jsonl (default bench/results)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-seconds", type=float, default=5.0,
-                        help="CPU: stop repeating a provider after this many seconds")
+                        help="stop repeating a provider after about this many seconds")
     return parser.parse_args(argv)
 
 

@@ -291,6 +291,10 @@ def run(args):
     if use_compile:
         token_providers.append(("torch.compile", compiled_eager))
         linear_providers.append(("torch.compile", linear_compiled))
+    if args.only_compiled:  # the GPU suite's last stage: compiled baselines after the others
+        token_providers = [p for p in token_providers if p[0] in ("agentrl_fast", "torch.compile")]
+        linear_providers = [p for p in linear_providers
+                            if p[0] in ("agentrl_fast", "torch.compile")]
     if liger_available():
         token_providers.append(("liger", liger))
         linear_providers.append(("liger", linear_liger))
@@ -299,15 +303,15 @@ def run(args):
     # Last: it overwrites the logits with their gradient (the others are checked against ours
     # on the intact logits first).
     token_providers.append(("agentrl_fast (inplace_backward)", lambda x, y: ours(x, y, inplace=True)))
-    rows = []
-    for num_tokens in token_sizes:
-        rows += bench_shape("token_logprobs", token_providers, num_tokens, vocab, hidden_size,
-                            device, dtype, args, ceilings)
-    for num_tokens in token_sizes:
-        rows += bench_shape("linear_token_logprobs", linear_providers, num_tokens, vocab,
-                            hidden_size, device, dtype, args, ceilings)
+    rows, path = [], None
+    for op, providers in (("token_logprobs", token_providers),
+                          ("linear_token_logprobs", linear_providers)):
+        for num_tokens in token_sizes:
+            new = bench_shape(op, providers, num_tokens, vocab, hidden_size, device, dtype, args,
+                              ceilings)
+            path = common.write_rows(new, "token_logprobs", args.out)  # kept if cut off later
+            rows += new
     common.print_table(rows)
-    path = common.write_rows(rows, "token_logprobs", args.out)
     print(f"rows appended to {path}")
     print(f"total {time.perf_counter() - start:.1f} s")
     return rows
@@ -324,11 +328,13 @@ def parse_args(argv=None):
     parser.add_argument("--seq-len", type=int, default=4096,
                         help="sequence length of eager-rowloop's [B, L, V] view (CUDA)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--only-compiled", action="store_true",
+                        help="ours and torch.compile only (the GPU suite's compiled stage)")
     parser.add_argument("--budget-seconds", type=float, default=45.0,
                         help="after this many seconds only our providers still run (the GPU "
                              "suite's stage cap)")
     parser.add_argument("--max-seconds", type=float, default=5.0,
-                        help="CPU: stop repeating a provider after this many seconds")
+                        help="stop repeating a provider after about this many seconds")
     return parser.parse_args(argv)
 
 

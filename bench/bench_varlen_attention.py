@@ -698,7 +698,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target-ms", type=float, default=100.0,
                         help="CUDA: keep timing a provider (up to 50 calls) until this many ms")
     parser.add_argument("--max-seconds", type=float, default=10.0,
-                        help="CPU: stop repeating a provider after this many seconds")
+                        help="stop repeating a provider after about this many seconds")
     parser.add_argument("--max-padded-gib", type=float, default=None,
                         help="skip sdpa-padded when its padded tensors (inputs, output, "
                              "gradients) exceed this (default 32 on CUDA, 4 on the CPU)")

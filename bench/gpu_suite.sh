@@ -1,35 +1,64 @@
 #!/usr/bin/env bash
-# The GPU suite: everything a scarce GPU lease runs, in one call, in stages with their own time
-# caps (the whole under 5 minutes), writing at most 8 flat files into OUT_DIR as it goes, so a
-# run cut off midway still leaves its finished stages.
+# The GPU suite: everything a scarce GPU lease runs, in one call of at most SUITE_SECONDS (420:
+# 7 minutes), in stages with their own time caps that sum to it. Headline benchmarks first,
+# compiled baselines after them, then the GPU tests and the sanitizer. Every stage writes what it
+# got into OUT_DIR before the next starts, so a run cut off midway keeps its finished stages.
 #
-#   bench/gpu_suite.sh OUT_DIR                      # on the GPU machine
-#   bench/gpu_suite.sh OUT_DIR --device cpu --tiny  # CI's dry run: same stages, tiny sizes
+#   bench/gpu_suite.sh OUT_DIR                          # on the GPU machine
+#   bench/gpu_suite.sh OUT_DIR --only tests,sanitize    # rerun chosen stages (build kept)
+#   bench/gpu_suite.sh OUT_DIR --device cpu --tiny      # CI's dry run: same stages, tiny sizes
+#   bench/gpu_suite.sh --plan                           # the stages and their caps
 #
-# Files: summary.txt (one line per stage), env.txt, build.log, tests.log, bench.log (every
-# benchmark's output), rows.jsonl (every benchmark's rows; a benchmark cut off midway leaves its
-# rows in <op>.jsonl). Exit status:
-# non-zero when any stage failed. Each stage's cap is also cut to what is left of SUITE_SECONDS
-# (default 285: with timeout's 10 s kill grace the whole stays under 5 minutes); a stage with
-# under 10 s left is skipped and counts as failed.
+# Files in OUT_DIR: summary.txt (one line per stage), preflight.txt, build.log, warm.log,
+# bench.log (every benchmark's output), rows.jsonl (every benchmark's rows; a benchmark cut off
+# midway leaves its rows in <op>.jsonl), tests.log, sanitize.log. Exit status: non-zero when a
+# stage failed or timed out. A stage whose modules the preflight could not import is skipped
+# with the reason (not a failure of the suite); a stage with under 10 s of the suite left is
+# skipped and counts as failed.
 set -u
 
-if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-  echo "usage: $0 OUT_DIR [--device cuda|cpu] [--tiny]" >&2
+# name:cap (seconds), in the order they run. The caps sum to SUITE_SECONDS (a CI test checks).
+STAGES=(preflight:15 build:75 bench_gae:35 bench_varlen_attention:65 bench_token_logprobs:35
+        bench_ppo_loss:25 bench_compiled:45 tests:80 sanitize:45)
+
+plan() {
+  local total=0 entry
+  for entry in "${STAGES[@]}"; do
+    printf '%-24s %4ss\n' "${entry%%:*}" "${entry##*:}"
+    total=$(( total + ${entry##*:} ))
+  done
+  printf '%-24s %4ss (SUITE_SECONDS %s)\n' total "$total" "${SUITE_SECONDS:-420}"
+  echo "warm_triton_cache runs in the background from the end of build (no cap of its own)"
+}
+
+usage() {
+  echo "usage: $0 OUT_DIR [--device cuda|cpu] [--tiny] [--only STAGE,...] | $0 --plan" >&2
   exit 2
-fi
+}
+
+if [ "${1:-}" = --plan ]; then plan; exit 0; fi
+if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then usage; fi
 OUT=$1
 shift
 DEVICE=cuda
 TINY=()
+ONLY=
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE=${2:?--device needs cuda or cpu}; shift 2 ;;
     --tiny) TINY=(--tiny); shift ;;
-    *) echo "unknown argument: $1" >&2; exit 2 ;;
+    --only) ONLY=${2:?--only needs a comma-separated list of stages}; shift 2 ;;
+    --plan) plan; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; usage ;;
   esac
 done
 case "$DEVICE" in cuda|cpu) ;; *) echo "--device must be cuda or cpu, got $DEVICE" >&2; exit 2 ;; esac
+for name in ${ONLY//,/ }; do
+  if ! printf '%s\n' "${STAGES[@]%%:*}" | grep -qx "$name"; then
+    echo "--only: unknown stage $name (stages: ${STAGES[*]%%:*})" >&2
+    exit 2
+  fi
+done
 
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -37,15 +66,32 @@ OUT=$(cd "$OUT" && pwd)
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 FAILED=0
-SUITE_SECONDS=${SUITE_SECONDS:-285}
+SUITE_SECONDS=${SUITE_SECONDS:-420}
 DEADLINE=$(( $(date +%s) + SUITE_SECONDS ))
 : > "$OUT/summary.txt"
 
-# stage NAME CAP_SECONDS LOG COMMAND...: runs COMMAND under a time cap, output to OUT/LOG.
+cap_of() {
+  local entry
+  for entry in "${STAGES[@]}"; do
+    [ "${entry%%:*}" = "$1" ] && echo "${entry##*:}"
+  done
+}
+
+# stage NAME LOG COMMAND...: runs COMMAND under the stage's cap (cut to what is left of the
+# suite), output appended to OUT/LOG, one verdict line in summary.txt.
 stage() {
-  local name=$1 cap=$2 log=$3
-  shift 3
-  local start rc left
+  local name=$1 log=$2
+  shift 2
+  local cap start rc left reason
+  if [ -n "$ONLY" ] && [ "$name" != preflight ] && ! [[ ",$ONLY," == *",$name,"* ]]; then
+    return
+  fi
+  reason=$(grep "^$name " "$OUT/skips.txt" 2>/dev/null | head -1 | cut -d' ' -f2-)
+  if [ -n "$reason" ]; then
+    echo "$name: SKIPPED ($reason)" | tee -a "$OUT/summary.txt"
+    return
+  fi
+  cap=$(cap_of "$name")
   start=$(date +%s)
   left=$(( DEADLINE - start ))
   if [ "$left" -lt 10 ]; then
@@ -54,9 +100,10 @@ stage() {
     return
   fi
   [ "$left" -lt "$cap" ] && cap=$left
+  echo "=== $name (cap ${cap}s) ===" >> "$OUT/$log"
   if declare -F "$1" > /dev/null; then
     # A function of this script: timeout runs programs, so run it in a child bash.
-    timeout --kill-after=10 "$cap" bash -c "$1" >> "$OUT/$log" 2>&1
+    STAGE_CAP=$cap timeout --kill-after=10 "$cap" bash -c '"$@"' "$1" "$@" >> "$OUT/$log" 2>&1
   else
     timeout --kill-after=10 "$cap" "$@" >> "$OUT/$log" 2>&1
   fi
@@ -67,13 +114,9 @@ stage() {
   echo "$name: $verdict in $(( $(date +%s) - start ))s (log: $log)" | tee -a "$OUT/summary.txt"
 }
 
-env_report() {
-  date -u
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  echo "device: $DEVICE $TINY_FLAG"
-  command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-  command -v nvcc > /dev/null && nvcc --version | tail -1
-  "$PYTHON" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda available', torch.cuda.is_available())"
+preflight() {
+  # Writes preflight.txt and skips.txt ("STAGE reason" for each stage that cannot run).
+  "$PYTHON" bench/gpu_preflight.py --device "$DEVICE" --out "$OUT"
 }
 
 build() {
@@ -89,33 +132,106 @@ assert n.cuda_built and n.has_kernel('gae', 'CUDA'), 'no CUDA kernel for agentrl
 print('CUDA kernels built for', n.cuda_arch_list)"
 }
 
-gpu_tests() {
-  # On the CPU dry run every gpu-marked test is collected and skipped.
-  "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests
+bench() {  # bench OP ARGS...: bench/bench_OP.py; its rows move to rows.jsonl when it ends
+  local op=$1
+  shift
+  "$PYTHON" "bench/bench_$op.py" --device "$DEVICE" $TINY_FLAG --out "$OUT" "$@"
   local rc=$?
-  if [ $rc -eq 5 ]; then echo "no gpu-marked tests were collected"; return 1; fi
+  if [ -f "$OUT/$op.jsonl" ]; then cat "$OUT/$op.jsonl" >> "$OUT/rows.jsonl" && rm "$OUT/$op.jsonl"; fi
   return $rc
 }
 
-export DEVICE PYTHON TINY_FLAG="${TINY[*]:-}"
-export -f env_report build gpu_tests
-stage env 30 env.txt env_report
-stage build 150 build.log build
-stage tests 60 tests.log gpu_tests
-# bench_stage OP CAP: runs bench/bench_OP.py; its output goes to bench.log, its rows to rows.jsonl.
-bench_stage() {
-  local op=$1 cap=$2
-  echo "=== bench_$op ===" >> "$OUT/bench.log"
-  stage "bench_$op" "$cap" bench.log "$PYTHON" "bench/bench_$op.py" --device "$DEVICE" "${TINY[@]}" --out "$OUT"
-  if [ -f "$OUT/$op.jsonl" ]; then
-    cat "$OUT/$op.jsonl" >> "$OUT/rows.jsonl" && rm "$OUT/$op.jsonl"
-  fi
+bench_compiled() {
+  # Compiled baselines (torch.compile, compiled flex_attention), each beside ours in its own
+  # process, after every eager headline number is in.
+  local rc=0
+  bench ppo_loss --only-compiled || rc=1
+  bench token_logprobs --only-compiled --budget-seconds 10 || rc=1
+  bench varlen_attention --skip "agentrl_fast backend" sdpa --mix long-tail --time-budget 10 || rc=1
+  return $rc
 }
-bench_stage gae 60
-bench_stage varlen_attention 90
-bench_stage token_logprobs 90
-bench_stage ppo_loss 60
-bench_stage rollout 90
+
+gpu_tests() {
+  # One pytest per file, the kernels' files first (-rA names every test and failure; a crash
+  # that takes the CUDA context down loses one file), while the stage's time lasts.
+  local rc=0 file start=$(date +%s) result files
+  files=$(ls tests/test_{varlen_attention,ppo_loss,token_logprobs,gae}.py; grep -l "mark.gpu" tests/test_*.py)
+  files=$(echo "$files" | awk '!seen[$0]++')
+  if [ "$DEVICE" = cpu ]; then files=$(echo $files); fi  # the dry run: one pytest for all
+  while read -r file; do
+    [ -z "$file" ] && continue
+    if [ $(( $(date +%s) - start + 10 )) -gt "$STAGE_CAP" ]; then
+      echo "SKIPPED $file: the stage's time is spent"; rc=1; continue
+    fi
+    echo "--- $file"
+    "$PYTHON" -m pytest -m gpu -rA -p no:cacheprovider -o addopts="" $file
+    result=$?
+    if [ $result -ne 0 ] && [ $result -ne 5 ]; then rc=1; fi  # 5: no gpu test collected
+  done <<< "$files"
+  return $rc
+}
+
+sanitize() {
+  # compute-sanitizer's memcheck, racecheck and synccheck over every kernel (small inputs), one
+  # process per tool. The CPU dry run runs the script plainly.
+  if [ "$DEVICE" = cpu ]; then "$PYTHON" bench/sanitize_kernels.py --device cpu; return; fi
+  local tool rc=0 log
+  for tool in memcheck racecheck synccheck; do
+    log=$(mktemp)
+    compute-sanitizer --tool "$tool" --error-exitcode 3 "$PYTHON" bench/sanitize_kernels.py \
+      > "$log" 2>&1
+    local result=$?
+    cat "$log"
+    if grep -qiE "device not supported|unable to (find|attach)|not supported on this" "$log"; then
+      echo "sanitize $tool: compute-sanitizer refused the device (see above): skipped"
+    elif [ $result -ne 0 ]; then
+      echo "sanitize $tool: FAILED (exit $result)"; rc=1
+    else
+      echo "sanitize $tool: ok"
+    fi
+    rm -f "$log"
+  done
+  return $rc
+}
+
+warm_triton_cache() {
+  # Triton JIT-compiles each kernel configuration at its first launch; compiling the benchmarks'
+  # and the GPU tests' configurations in parallel processes now takes that off the stages.
+  timeout --kill-after=10 150 nice -n 10 "$PYTHON" bench/warm_triton_cache.py --device "$DEVICE" \
+    >> "$OUT/warm.log" 2>&1
+  echo "warm_triton_cache: exit $?" >> "$OUT/warm.log"
+}
+
+# run_stage NAME: the stage's log and command.
+run_stage() {
+  case "$1" in
+    preflight) stage preflight preflight.txt preflight ;;
+    build) stage build build.log build ;;
+    bench_gae) stage bench_gae bench.log bench gae --max-seconds 2 ;;
+    bench_varlen_attention)
+      stage bench_varlen_attention bench.log bench varlen_attention --skip flex_attention \
+        --time-budget 45 ;;
+    bench_token_logprobs)
+      stage bench_token_logprobs bench.log bench token_logprobs --no-compile --budget-seconds 25 \
+        --max-seconds 2 ;;
+    bench_ppo_loss) stage bench_ppo_loss bench.log bench ppo_loss --no-compile --max-seconds 2 ;;
+    bench_compiled) stage bench_compiled bench.log bench_compiled ;;
+    tests) stage tests tests.log gpu_tests ;;
+    sanitize) stage sanitize sanitize.log sanitize ;;
+    *) echo "gpu_suite: no command for stage $1" >&2; exit 2 ;;
+  esac
+}
+
+export DEVICE PYTHON OUT TINY_FLAG="${TINY[*]:-}"
+export -f preflight build bench bench_compiled gpu_tests sanitize
+WARM_PID=
+for entry in "${STAGES[@]}"; do
+  run_stage "${entry%%:*}"
+  if [ "${entry%%:*}" = build ] && ! grep -q "^build: \(FAILED\|TIMED\)" "$OUT/summary.txt"; then
+    warm_triton_cache & WARM_PID=$!
+  fi
+done
+[ -n "$WARM_PID" ] && wait "$WARM_PID"  # (its own timeout ends it)
 
 echo "gpu_suite: $([ $FAILED -eq 0 ] && echo all stages passed || echo SOME STAGES FAILED)" | tee -a "$OUT/summary.txt"
 exit $FAILED

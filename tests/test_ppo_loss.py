@@ -97,17 +97,19 @@ def reference_weights(mode, batch, **kw):
                                   batch["rollout_ids"], NORM, **kw)
 
 
-def run_ppo(batch, mode=None, features="plain", backend=BACKEND, token_weights=None, **extra):
-    """Our loss and its gradients ``(loss, metrics, dlogp, dentropy)``."""
+def run_ppo(batch, mode=None, features="plain", backend=BACKEND, token_weights=None, *,
+            entropy_grad=True, **extra):
+    """Our loss and its gradients ``(loss, metrics, dlogp, dentropy)`` (``dentropy`` None
+    without an entropy term or with ``entropy_grad=False``: a frozen entropy)."""
     logp = batch["logprobs"].clone().requires_grad_()
-    entropy = batch["entropy"].clone().requires_grad_()
+    entropy = batch["entropy"].clone().requires_grad_(entropy_grad)
     kw = feature_kwargs(features, batch, entropy=entropy)
     if token_weights is None:
         kw.update(mode_kwargs(mode, batch))
     kw.update(extra)
     loss, metrics = ppo_loss(logp, batch["old_logprobs"], batch["advantages"], batch["action_mask"],
                              token_weights=token_weights, backend=backend, **kw)
-    inputs = [logp] + ([entropy] if "entropy" in kw else [])
+    inputs = [logp] + ([entropy] if "entropy" in kw and entropy_grad else [])
     grads = torch.autograd.grad(loss, inputs, allow_unused=True)
     return loss.detach(), metrics, grads[0], (grads[1] if len(grads) > 1 else None)
 
@@ -423,6 +425,206 @@ def test_value_loss_micro_batches_and_masked_sequences(mode):
         grads.append(grad)
     assert torch.equal(torch.cat(grads), full_grad)
     assert total == pytest.approx(float(full_loss), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton path against the torch path and float64, on any device: CUDA here (gpu marker, run
+# by bench/gpu_suite.sh); the CPU under the interpreter (tests/interpret/test_ppo_loss.py runs
+# every case, so these bodies run without a GPU too).
+
+# Together, every flag the kernels specialise on: the forward's HAS_WEIGHTS (weights from the
+# mode), HAS_DUAL, KL (none, k1, k2, k3), HAS_ENTROPY, HAS_ROLLOUT, NEED_GRAD_LOGP and
+# NEED_GRAD_ENTROPY, the finalize's TOKEN_MEAN with and without a count override.
+# name -> (mode, features, extra ppo_loss arguments, gradients: "both", "logprobs" or "none")
+TRITON_CASES = {
+    "token-mean": ("token-mean", "plain", {}, "both"),
+    "token-sum-dual-clip": ("token-sum", "dual_clip", {}, "both"),
+    "seq-mean-token-mean-k1": ("seq-mean-token-mean", "kl_k1", {}, "both"),
+    "rollout-mean-k2-asymmetric": ("rollout-mean", "kl_k2", {"clip_low": 0.1, "clip_high": 0.28},
+                                   "both"),
+    "seq-mean-token-sum-all": ("seq-mean-token-sum", "all", {}, "both"),
+    "global-tokens-frozen-entropy": ("token-mean", "all", {"global_tokens": 500}, "logprobs"),
+    "no-grad": ("seq-mean-token-sum-norm", "all", {}, "none"),
+}
+# name -> (mode, clip, gradient): HAS_WEIGHTS, HAS_CLIP, NEED_GRAD and TOKEN_MEAN
+VALUE_CASES = {
+    "token-mean": ("token-mean", None, True),
+    "seq-mean-token-mean-clip": ("seq-mean-token-mean", 0.2, True),
+    "token-sum-clip-no-grad": ("token-sum", 0.2, False),
+}
+TRITON_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def on_device(batch, device, dtype=None):
+    """The batch on ``device``; with ``dtype``, its float tensors cast to it."""
+    return {k: v.to(device, dtype) if dtype is not None and v.is_floating_point() else v.to(device)
+            for k, v in batch.items()}
+
+
+PPO_INPUTS = ("logprobs", "old_logprobs", "advantages")
+VALUE_INPUTS = ("values", "old_values", "returns")
+
+
+def loss_only(fn, inputs, batch, backend, **kw):
+    """``fn``'s ``(loss, metrics)`` with nothing requiring grad (the kernels' NEED_GRAD_* off)."""
+    return fn(*(batch[name] for name in inputs), batch["action_mask"], backend=backend, **kw)
+
+
+def assert_gradient_close(name, got, want, weight_scale, dtype):
+    """float32: accumulation error only; bfloat16/float16: the gradient is rounded to the input
+    dtype at the end (one rounding, or two ulps apart between two paths)."""
+    assert got.dtype == dtype and got.shape == want.shape, (name, got.dtype, got.shape)
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    if dtype == torch.float32:
+        assert_close(name, got, want, weight_scale * 10, dtype)
+        return
+    error = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    allowed = 2 * torch.finfo(dtype).eps * want.double().abs().max().item() + 1e-7
+    assert error <= allowed, f"{name}: max error {error:.3g} > {allowed:.3g}"
+
+
+def compare_losses(ours, wants, scale):
+    """``ours = (loss, metrics)`` against each of ``wants``: within float32 accumulation error."""
+    loss, metrics = ours
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    for want_loss, want_metrics in wants:
+        assert_close("loss", loss, want_loss, scale, torch.float32)
+        for name, got in metrics.items():  # (the torch path's also holds "loss")
+            assert got.dim() == 0, name
+            want = want_metrics[name]
+            assert_close(name, got, want, abs(float(want)) + scale, torch.float32)
+
+
+def check_triton_ppo_case(case, dtype, device):
+    """The Triton path against the torch path on the same inputs and device, and against
+    float64 (the torch path on the inputs cast exactly to float64 on the device, which the
+    tests above check against reference.py): loss, metrics, gradients in the input dtype,
+    exactly zero gradient off actions."""
+    mode, features, extra, grads = TRITON_CASES[case]
+    batch = on_device(make_batch(LENGTHS, 3, dtype=dtype, masked_sequences=(4,)), device)
+    exact = on_device(batch, device, torch.float64)
+    mask = batch["action_mask"]
+    weights = loss_weights(mode, mask, batch["cu_seqlens"], batch["rollout_ids"], NORM,
+                           global_tokens=extra.get("global_tokens"))
+    weight_scale = float(weights.abs().max())
+    scale = weight_scale * int(mask.sum())
+    if grads == "none":
+        runs = [loss_only(ppo_loss, PPO_INPUTS, b, backend, **feature_kwargs(features, b),
+                          **mode_kwargs(mode, b), **extra)
+                for b, backend in ((batch, "triton"), (batch, "torch"), (exact, "torch"))]
+        compare_losses(runs[0], runs[1:], scale)
+        return
+    entropy_grad = grads == "both"
+    ours, torch_path, reference = (
+        run_ppo(b, mode, features, backend=backend, entropy_grad=entropy_grad, **extra)
+        for b, backend in ((batch, "triton"), (batch, "torch"), (exact, "torch")))
+    compare_losses((ours[0], ours[1]), [(torch_path[0], torch_path[1]),
+                                        (reference[0], reference[1])], scale)
+    off = ~mask
+    for other in (torch_path, reference):
+        assert_gradient_close("dlogprobs", ours[2], other[2], weight_scale, dtype)
+        assert (ours[2][off] == 0).all()
+        if entropy_grad and "entropy_coef" in FEATURES[features]:
+            assert_gradient_close("dentropy", ours[3], other[3], weight_scale, dtype)
+            assert (ours[3][off] == 0).all()
+        else:
+            assert ours[3] is None
+
+
+def check_triton_value_case(case, dtype, device):
+    """value_loss: the Triton path against the torch path and float64, as above."""
+    mode, clip, grad = VALUE_CASES[case]
+    batch = on_device(make_batch(LENGTHS, 11, dtype=dtype, masked_sequences=(0,)), device)
+    exact = on_device(batch, device, torch.float64)
+    mask = batch["action_mask"]
+    weights = loss_weights(mode, mask, batch["cu_seqlens"], batch["rollout_ids"], NORM)
+    scale = float(weights.abs().max()) * int(mask.sum()) * 10  # squared errors of N(0, 1)s
+    if not grad:
+        runs = [loss_only(value_loss, VALUE_INPUTS, b, backend, clip=clip, **mode_kwargs(mode, b))
+                for b, backend in ((batch, "triton"), (batch, "torch"), (exact, "torch"))]
+        compare_losses(runs[0], runs[1:], scale)
+        return
+    ours, torch_path, reference = (run_value(b, mode, clip, backend=backend)
+                                   for b, backend in ((batch, "triton"), (batch, "torch"),
+                                                      (exact, "torch")))
+    compare_losses((ours[0], ours[1]), [(torch_path[0], torch_path[1]),
+                                        (reference[0], reference[1])], scale)
+    for other in (torch_path, reference):
+        assert_gradient_close("dvalues", ours[2], other[2], float(weights.abs().max()), dtype)
+    assert (ours[2][~mask] == 0).all()
+
+
+def check_triton_masked_and_empty(dtype, device):
+    """NaN on non-action tokens and fully masked sequences, a fully masked batch and an empty
+    one through the Triton path: finite results, exactly zero gradient off actions, the torch
+    path's values."""
+    batch = on_device(make_batch(LENGTHS, 6, dtype=dtype, masked_sequences=(1, 2, 3)), device)
+    off = ~batch["action_mask"]
+    for key in ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "entropy",
+                "rollout_logprobs", "values", "old_values", "returns"):
+        batch[key] = batch[key].masked_fill(off, float("nan"))
+    loss, metrics, dlogp, dent = run_ppo(batch, "rollout-mean", "all", backend="triton")
+    want = run_ppo(batch, "rollout-mean", "all", backend="torch")
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+    assert (dlogp[off] == 0).all() and (dent[off] == 0).all() and torch.isfinite(dlogp).all()
+    assert_close("loss", loss, want[0], 1.0, torch.float32)
+    value = run_value(batch, "seq-mean-token-mean", 0.2, backend="triton")
+    assert torch.isfinite(value[0]) and (value[2][off] == 0).all()
+    assert torch.isfinite(value[2]).all()
+    batch["action_mask"] = torch.zeros_like(batch["action_mask"])
+    empty = on_device(make_batch([0, 0], 8, dtype=dtype), device)
+    for b in (batch, empty):
+        for mode in LOSS_AGG_MODES:
+            loss, metrics, dlogp, dent = run_ppo(b, mode, "all", backend="triton")
+            assert float(loss) == 0 and (dlogp == 0).all() and (dent == 0).all()
+            assert dlogp.shape == b["logprobs"].shape
+            assert all(torch.isfinite(v) for v in metrics.values())
+            assert float(metrics["action_tokens"]) == 0
+            value = run_value(b, mode, 0.2, backend="triton")
+            assert float(value[0]) == 0 and (value[2] == 0).all()
+            assert all(torch.isfinite(v) for v in value[1].values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(TRITON_CASES))
+def test_cuda_triton_ppo_loss_matches_torch_path_and_float64(case, dtype):
+    check_triton_ppo_case(case, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(VALUE_CASES))
+def test_cuda_triton_value_loss_matches_torch_path_and_float64(case, dtype):
+    check_triton_value_case(case, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+def test_cuda_triton_masked_and_empty(dtype):
+    check_triton_masked_and_empty(dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_auto_takes_triton_and_float64_takes_torch():
+    """On CUDA, auto runs the Triton kernels for float32 and the torch path, in float64, for
+    float64 (the kernels compute in float32); backend="triton" refuses float64."""
+    batch = on_device(make_batch(LENGTHS, 16), "cuda")
+    for b, backend in ((batch, "triton"), (on_device(batch, "cuda", torch.float64), "torch")):
+        auto = run_ppo(b, "seq-mean-token-mean", "all", backend="auto")
+        chosen = run_ppo(b, "seq-mean-token-mean", "all", backend=backend)
+        assert auto[0].dtype == b["logprobs"].dtype
+        for a, c in zip(auto[:1] + auto[2:], chosen[:1] + chosen[2:]):
+            assert torch.equal(a, c)
+        value_auto = run_value(b, "token-mean", 0.2, backend="auto")
+        value_chosen = run_value(b, "token-mean", 0.2, backend=backend)
+        assert torch.equal(value_auto[0], value_chosen[0])
+        assert torch.equal(value_auto[2], value_chosen[2])
+    exact = on_device(batch, "cuda", torch.float64)
+    with pytest.raises(ValueError, match="logprobs is float64, but backend 'triton'"):
+        run_ppo(exact, "token-mean", "plain", backend="triton")
+    with pytest.raises(ValueError, match="values is float64, but backend 'triton'"):
+        run_value(exact, "token-mean", backend="triton")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,19 +24,23 @@ EPS32 = torch.finfo(torch.float32).eps
 # Helpers shared with the interpreter tests (parametrized by backend)
 
 
-def make_case(num_rows, vocab, dtype, *, seed, scale=3.0, ignore_every=5, label_dtype=torch.int64):
-    """``(logits[T, V] in dtype, labels[T])``: random logits, a few ignored rows."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(num_rows, vocab, generator=gen) * scale).to(dtype)
-    labels = torch.randint(0, vocab, (num_rows,), generator=gen)
+def make_case(num_rows, vocab, dtype, *, seed, scale=3.0, ignore_every=5, label_dtype=torch.int64,
+              device="cpu"):
+    """``(logits[T, V] in dtype, labels[T])``: random logits, a few ignored rows; drawn on
+    ``device`` (a GPU draws a large vocabulary at once; the CPU's draws are the same as ever)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    logits = (torch.randn(num_rows, vocab, generator=gen, device=device) * scale).to(dtype)
+    labels = torch.randint(0, vocab, (num_rows,), generator=gen, device=device)
     if ignore_every:
         labels[::ignore_every] = IGNORE
     return logits, labels.to(label_dtype)
 
 
-def upstream(num_rows, seed):
+def upstream(num_rows, seed, device="cpu"):
+    """Upstream gradients ``(g_logp[T], g_entropy[T])`` float32 (drawn on the CPU)."""
     gen = torch.Generator().manual_seed(seed + 1)
-    return torch.randn(num_rows, generator=gen), torch.randn(num_rows, generator=gen)
+    return (torch.randn(num_rows, generator=gen).to(device),
+            torch.randn(num_rows, generator=gen).to(device))
 
 
 def tolerance(want: torch.Tensor, dtype: torch.dtype, depth: float) -> float:
@@ -79,7 +83,7 @@ def check_token_logprobs(logits, labels, *, backend, temperature=1.0, entropy=Tr
     assert (outs[0] <= 0).all(), "log-probs must be <= 0"
     ignored = labels == ignore_index
     assert (outs[0][ignored] == 0).all() and (not entropy or (outs[1][ignored] == 0).all())
-    grads = upstream(labels.numel(), seed)
+    grads = upstream(labels.numel(), seed, logits.device)
     loss = sum((o * g.view_as(o)).sum() for o, g in zip(outs, grads))
     loss_ref = sum((r * g.view_as(r).double()).sum() for r, g in zip(refs, grads))
     loss.backward()
@@ -110,7 +114,7 @@ def check_linear(hidden, weight, labels, *, backend, chunk_size=None, temperatur
     for name, got, want in zip(("logp", "entropy"), outs, refs):
         assert_close(name, got, want, eps * depth * max(1.0, logit_scale))
     assert (outs[0] <= 0).all()
-    grads = upstream(labels.numel(), seed)
+    grads = upstream(labels.numel(), seed, hidden.device)
     sum((o * g.view_as(o)).sum() for o, g in zip(outs, grads)).backward()
     sum((r * g.view_as(r).double()).sum() for r, g in zip(refs, grads)).backward()
     chunks = 1 if chunk_size is None else math.ceil(labels.numel() / chunk_size)
@@ -387,11 +391,13 @@ def test_torch_compile_fullgraph():
 # --- linear_token_logprobs
 
 
-def make_linear(num_rows, hidden_size, vocab, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(num_rows, hidden_size, generator=gen).to(dtype)
-    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size ** 0.5 * 2).to(dtype)
-    labels = torch.randint(0, vocab, (num_rows,), generator=gen)
+def make_linear(num_rows, hidden_size, vocab, dtype, seed, device="cpu"):
+    """``(hidden[T, H], weight[V, H], labels[T])``, drawn on ``device``; every 6th row ignored."""
+    gen = torch.Generator(device).manual_seed(seed)
+    hidden = torch.randn(num_rows, hidden_size, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=gen, device=device)
+              / hidden_size ** 0.5 * 2).to(dtype)
+    labels = torch.randint(0, vocab, (num_rows,), generator=gen, device=device)
     labels[::6] = IGNORE
     return hidden, weight, labels
 
@@ -481,6 +487,29 @@ def test_cuda_linear_matches_cpu_path():
         grads.append([t.detach().cpu() for t in (logp, entropy, h.grad, w.grad)])
     for cpu, cuda in zip(*grads):
         assert torch.allclose(cpu, cuda, atol=1e-3, rtol=1e-3)  # fp32 matmuls: summation order only
+
+
+QWEN_VOCAB = 151936  # Qwen2/2.5/3: BLOCK_V = 4096, 38 blocks per row, the last one partial
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_qwen_vocabulary_matches_float64(dtype):
+    """token_logprobs at Qwen's vocabulary on CUDA: logp, entropy and d logits of 300 tokens
+    (every 5th ignored) against the float64 reference, computed on the GPU."""
+    logits, labels = make_case(300, QWEN_VOCAB, dtype, seed=17, device="cuda")
+    check_token_logprobs(logits, labels, backend="triton", temperature=0.9, seed=17)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_linear_qwen_vocabulary_matches_float64(dtype):
+    """linear_token_logprobs at Qwen's vocabulary on CUDA (300 tokens in chunks of 128, the
+    last partial): logp, entropy, d hidden and d weight against the float64 reference on the
+    GPU."""
+    hidden, weight, labels = make_linear(300, 64, QWEN_VOCAB, dtype, seed=18, device="cuda")
+    check_linear(hidden, weight, labels, backend="triton", chunk_size=128, temperature=0.9,
+                 seed=18)
 
 
 # ---------------------------------------------------------------------------------------------

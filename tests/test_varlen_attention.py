@@ -7,10 +7,12 @@ PyTorch in the input dtype (``attention_in_dtype``), plus a tiny absolute floor,
 the dtype instead of being magic numbers.
 
 The CPU backends (``reference``; ``native``: our C++ kernel, the CPU default; ``cpu_flash``:
-torch's fused CPU kernel on length-bucketed padded batches) run everywhere; the ``torch`` and
-``flash_attn`` backends run on CUDA only, so their tests are marked ``gpu`` (and the flash_attn
-ones skip when flash-attn is not installed). Bad inputs and ``validate=False`` with garbage
-``cu_seqlens`` are in ``test_varlen_attention_errors.py``.
+torch's fused CPU kernel on length-bucketed padded batches) run everywhere; the ``torch``,
+``flash_attn`` and ``triton`` (our Triton kernels) backends on CUDA in the tests marked ``gpu``
+(the flash_attn ones skip when flash-attn is not installed). On CUDA the float64 reference is
+built on the GPU. The Triton backend runs on the CPU under the interpreter in
+``tests/interpret/test_varlen_attention_triton*.py``. Bad inputs and ``validate=False`` with
+garbage ``cu_seqlens`` are in ``test_varlen_attention_errors.py``.
 """
 
 import math
@@ -116,10 +118,43 @@ def assert_within(name, got, want, baseline, factor, context="", magnitude=1.0):
                               f"{baseline_error:.3g} + rounding {atol:.3g} + floor {floor:.3g} {context}")
 
 
+def reference_float64(q, k, v, cu_seqlens, causal, scale, *, batched=None):
+    """``(leaves, out, lse)``: float64 leaves (copies of q, k, v on their device) and the
+    float64 reference computed from them: ``varlen_attention_reference`` on the CPU; elsewhere
+    (``batched``, default: off the CPU) the same math batched over heads on the device
+    (``attention_in_dtype`` in float64, checked against the reference by
+    ``test_batched_float64_reference_matches_the_reference``), so GPU tests build no CPU copy."""
+    leaves = [x.detach().to(torch.float64).requires_grad_() for x in (q, k, v)]
+    if batched is None:
+        batched = q.device.type != "cpu"
+    if batched:
+        return (leaves, *attention_in_dtype(*leaves, cu_seqlens, causal, scale))
+    return (leaves, *varlen_attention_reference(*leaves, cu_seqlens, causal=causal,
+                                                softmax_scale=scale))
+
+
+def check_poisoned_kernels(backend, q, k, v, cu_seqlens, max_seqlen, causal, scale, dout,
+                           results):
+    """The backend's kernels called directly on NaN-filled out, lse, dq, dk, dv write every
+    element, with the bits of ``results`` = (out, lse, dq, dk, dv) of the public function
+    (which runs these very kernels on the same inputs)."""
+    kernels = BACKENDS[backend]
+    q, k, v = (x.detach() for x in (q, k, v))
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((q.shape[1], q.shape[0]), math.nan, device=q.device)
+    kernels.forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, False, out, lse)
+    grads = [torch.full_like(x, math.nan) for x in (q, k, v)]
+    kernels.backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, False, *grads)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), results):
+        assert torch.isfinite(got).all(), f"{name}: elements left unwritten (NaN) or non-finite"
+        assert torch.equal(got, want), f"{name}: differs from the public function's result"
+
+
 def run_and_compare(q, k, v, cu_seqlens, max_seqlen, *, causal, backend, softmax_scale=None,
-                    seed=0, **kwargs):
+                    seed=0, poison=False, **kwargs):
     """Run ``varlen_attention`` forward and backward and compare out, LSE and the gradients of q,
-    k, v against the float64 reference, with tolerances scaled by ``attention_in_dtype``'s error."""
+    k, v against the float64 reference, with tolerances scaled by ``attention_in_dtype``'s error;
+    with ``poison``, also ``check_poisoned_kernels``."""
     scale = q.shape[2] ** -0.5 if softmax_scale is None else softmax_scale
     context = (f"(backend={backend}, dtype={q.dtype}, causal={causal}, Hq={q.shape[1]}, "
                f"Hk={k.shape[1]}, D={q.shape[2]}, cu_seqlens={cu_seqlens.tolist()[:10]})")
@@ -132,9 +167,8 @@ def run_and_compare(q, k, v, cu_seqlens, max_seqlen, *, causal, backend, softmax
     dout = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
 
-    leaves64 = [x.detach().to("cpu", torch.float64).requires_grad_() for x in (q, k, v)]
-    out64, lse64 = varlen_attention_reference(*leaves64, cu_seqlens, causal=causal, softmax_scale=scale)
-    grads64 = (torch.autograd.grad(out64, leaves64, dout.to("cpu", torch.float64), allow_unused=True)
+    leaves64, out64, lse64 = reference_float64(q, k, v, cu_seqlens, causal, scale)
+    grads64 = (torch.autograd.grad(out64, leaves64, dout.to(torch.float64), allow_unused=True)
                if out64.requires_grad else (None,) * 3)  # (no sequence: the reference returns zeros)
     grads64 = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves64, grads64)]
 
@@ -150,6 +184,9 @@ def run_and_compare(q, k, v, cu_seqlens, max_seqlen, *, causal, backend, softmax
     for name, got, want, baseline in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64, grads_pt):
         assert got.dtype == q.dtype
         assert_within(name, got, want, baseline, 3, context, magnitude)
+    if poison:
+        check_poisoned_kernels(backend, q, k, v, cu_seqlens, max_seqlen, causal, scale, dout,
+                               (out, lse, dq, dk, dv))
     return out, lse, (dq, dk, dv)
 
 
@@ -166,7 +203,8 @@ def cuda_backend(name):
 
 GPU_BACKENDS = [pytest.param("reference", marks=pytest.mark.gpu, id="reference-cuda"),
                 pytest.param("torch", marks=pytest.mark.gpu, id="torch-cuda"),
-                pytest.param("flash_attn", marks=pytest.mark.gpu, id="flash_attn-cuda")]
+                pytest.param("flash_attn", marks=pytest.mark.gpu, id="flash_attn-cuda"),
+                pytest.param("triton", marks=pytest.mark.gpu, id="triton-cuda")]
 CPU_BACKENDS = ["reference", "native", "cpu_flash"]
 ALL_BACKENDS = [pytest.param("reference", id="reference-cpu"),
                 pytest.param("native", id="native-cpu"),
@@ -237,6 +275,58 @@ def test_cuda_backend_matches_float64(backend, case):
     run_and_compare(q, k, v, cu, max_seqlen, causal=causal, backend=backend)
 
 
+# The Triton backend on CUDA. Each (dtype, padded D, even D) and each integer argument equal to
+# 1 or divisible by 16 (causal, Hk, the GQA group, strides, T) is a JIT compile of its own (~1-2
+# s each), so the grid shares the configurations the other CUDA tests here compile anyway (the
+# ALL_BACKENDS tests and test_auto_on_cuda_...): bf16 at D = 64 takes every GQA ratio x causal;
+# fp16 and fp32 causal and not at 4:2; D = 128 and the odd D causal at 4:2; the long sequence
+# at 2:1 (compiled as 4:1). About 24 forward/backward compiles for the whole file.
+TRITON_GPU_GRID = (
+    [(MIXED_LENGTHS, torch.bfloat16, causal, gqa, 64) for causal in (True, False) for gqa in GQA]
+    + [(MIXED_LENGTHS, dtype, causal, (4, 2), 64)
+       for dtype in (torch.float16, torch.float32) for causal in (True, False)]
+    + [(MIXED_LENGTHS, torch.bfloat16, True, (4, 2), head_dim) for head_dim in (128, ODD_HEAD_DIM)]
+    + [(LONG_LENGTHS, torch.bfloat16, causal, (2, 1), 64) for causal in (True, False)]
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TRITON_GPU_GRID, ids=_grid_id)
+def test_cuda_triton_matches_float64(case):
+    """Our Triton kernels on CUDA (odd lengths, length 1, empty sequences): forward, LSE and
+    gradients against the float64 reference (flash-attention's tolerance), and the kernels
+    called directly on NaN-poisoned outputs write every element, with the public function's
+    bits."""
+    cuda_backend("triton")
+    lengths, dtype, causal, (hq, hk), head_dim = case
+    seed = zlib.crc32(_grid_id(case).encode())
+    q, k, v, cu, max_seqlen = make_inputs(lengths, hq, hk, head_dim, dtype, seed=seed,
+                                          device="cuda")
+    run_and_compare(q, k, v, cu, max_seqlen, causal=causal, backend="triton", poison=True)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_poisoned_kernel_check_on_the_cpu(backend):
+    """``run_and_compare(poison=True)`` (what the Triton grid on CUDA runs) on the CPU kernels."""
+    q, k, v, cu, max_seqlen = make_inputs([0, 1, 7, 40, 0], 4, 2, 16, torch.bfloat16, seed=25)
+    run_and_compare(q, k, v, cu, max_seqlen, causal=True, backend=backend, poison=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_batched_float64_reference_matches_the_reference(causal):
+    """The float64 reference the CUDA tests build on the GPU (``attention_in_dtype`` in float64)
+    is ``varlen_attention_reference``: out, LSE and gradients to float64 rounding."""
+    q, k, v, cu, _ = make_inputs([0, 1, 7, 30, 0, 12], 4, 2, 16, torch.float32, seed=26)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(27), dtype=torch.float64)
+    results = []
+    for batched in (False, True):
+        leaves, out, lse = reference_float64(q, k, v, cu, causal, 0.3, batched=batched)
+        results.append((out, lse, *torch.autograd.grad(out, leaves, dout)))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert a.dtype == b.dtype == torch.float64, name
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [64, ODD_HEAD_DIM])
@@ -295,7 +385,9 @@ def test_softmax_scale(softmax_scale, backend):
 # ---------------------------------------------------------------------------------------------
 # No leak across sequence boundaries (nor, with causal, from later tokens).
 
-LEAK_LENGTHS = [5, 0, 17, 1, 33, 8]
+# T = 65 (and 33 below): a token count divisible by 16 would be one more JIT compile of the
+# Triton kernels on CUDA (a specialisation of their stride arguments) than the grid's.
+LEAK_LENGTHS = [5, 0, 17, 1, 33, 9]
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -446,6 +538,7 @@ def test_lse_values(backend, causal, request):
     GPU_BACKENDS[0],
     pytest.param("torch", marks=[pytest.mark.gpu], id="torch-cuda"),
     GPU_BACKENDS[2],
+    GPU_BACKENDS[3],
 ])
 def test_lse_is_not_differentiable(backend, request):
     """The LSE does not require grad (so a loss through it fails loudly instead of getting a silently
@@ -453,7 +546,7 @@ def test_lse_is_not_differentiable(backend, request):
     return_lse."""
     device = setup_backend(backend, request)
     dtype = torch.float32 if backend == "reference" else torch.bfloat16
-    q, k, v, cu, max_seqlen = make_inputs([3, 0, 20, 9], 4, 2, 64, dtype, seed=15, device=device)
+    q, k, v, cu, max_seqlen = make_inputs([3, 0, 20, 10], 4, 2, 64, dtype, seed=15, device=device)
     out, lse = varlen_attention(q, k, v, cu, max_seqlen, return_lse=True, backend=backend,
                                 deterministic=True)
     assert out.requires_grad
@@ -589,7 +682,7 @@ def test_non_contiguous_inputs(backend, dtype, request):
     """q transposed from [Hq, T, D], k sliced from a wider last dim, v a slice of a stacked kv
     tensor, dout transposed: the same result and gradients as contiguous copies."""
     device = setup_backend(backend, request)
-    if device == "cuda" and backend != "reference" and dtype == torch.float32:
+    if device == "cuda" and backend in ("torch", "flash_attn") and dtype == torch.float32:
         pytest.skip("torch's and flash-attn's kernels take no fp32")
     lengths, hq, hk, head_dim = [3, 0, 50, 1, 20], 4, 2, 64
     num_tokens, cu = sum(lengths), cu_seqlens_of(lengths, device)

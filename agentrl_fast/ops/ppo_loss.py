@@ -10,7 +10,9 @@
 
 Backends: plain torch (autograd) for CPU tensors; the Triton kernels of ``kernels/ppo_loss.py``
 for CUDA tensors and for CPU tensors when ``TRITON_INTERPRET=1`` (the interpreter tests),
-declared as ``torch.library.custom_op`` s with fakes so ``torch.compile`` traces them. No op
+declared as ``torch.library.custom_op`` s with fakes so ``torch.compile`` traces them. The
+kernels compute in float32, so float64 ``logprobs`` / ``values`` always take the torch path
+(which computes in float64): ``auto`` routes them there and ``triton`` refuses them. No op
 syncs with the host: metrics are 0-d tensors (except for ``validate=True``, which checks
 ``cu_seqlens`` values with one sync when cu_seqlens is used).
 """
@@ -522,16 +524,24 @@ _value_loss_forward.register_autograd(_value_backward, setup_context=_value_setu
 # Dispatch and the public functions
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, name: str) -> str:
+    """``torch`` or ``triton``; ``name``/``dtype``: the differentiable input, whose dtype is
+    the compute dtype (the Triton kernels compute in float32: float64 goes to the torch path)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "auto":
+        if dtype == torch.float64:
+            return "torch"
         if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
             return "triton"
         return "torch"
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {device}; "
                          "use backend='torch' or 'auto'")
+    if backend == "triton" and dtype == torch.float64:
+        raise ValueError(f"{name} is float64, but backend 'triton' computes in float32; use "
+                         "backend='auto' or 'torch' (float64 runs in float64 there) or pass "
+                         f"{name}.float()")
     return backend
 
 
@@ -580,12 +590,12 @@ def _check_common(name0, x0, action_mask, cu_seqlens, rollout_ids, token_weights
             _check_count("global_sequences", global_sequences))
 
 
-def _aggregation_for_backend(backend, device, input_dtype, mode, action_mask, cu_seqlens,
+def _aggregation_for_backend(backend, name, device, input_dtype, mode, action_mask, cu_seqlens,
                              rollout_ids, token_weights, global_tokens, global_sequences,
                              norm_constant, validate):
     """The backend choice and the loss aggregation shared by ``ppo_loss`` and ``value_loss``:
     ``(triton, weights, token_mean, count_override, scale)``; ``scale`` only for the torch path."""
-    triton = _resolve_backend(backend, device) == "triton"
+    triton = _resolve_backend(backend, device, input_dtype, name) == "triton"
     compute_dtype = torch.float64 if input_dtype == torch.float64 else torch.float32
     weights, token_mean, count_override = _aggregation(
         mode, action_mask, cu_seqlens, rollout_ids, token_weights, global_tokens, global_sequences,
@@ -645,12 +655,14 @@ def ppo_loss(
             (``exp(ref - logp) - (ref - logp) - 1``, log ratio clamped to +-20 and the result to
             +-10, as verl does). KL and entropy use the same weights as the policy term.
         tis_cap: > 0, required with ``rollout_logprobs``.
-        backend: ``auto`` (Triton on CUDA or with TRITON_INTERPRET=1, else torch), ``torch``,
-            ``triton``.
+        backend: ``auto`` (Triton on CUDA or with TRITON_INTERPRET=1, else torch; float64
+            ``logprobs`` always torch), ``torch``, ``triton`` (its kernels compute in float32:
+            float64 ``logprobs`` raise ``ValueError``; other float64 inputs are rounded to
+            float32, as the torch path does for float32 ``logprobs``).
         validate: check ``cu_seqlens`` values when the weights are computed from it (one sync).
 
     Returns:
-        ``(loss, metrics)``: ``loss`` a 0-d float32 tensor (float64 on the torch path for
+        ``(loss, metrics)``: ``loss`` a 0-d float32 tensor (float64, computed in float64, for
         float64 ``logprobs``); ``metrics`` 0-d tensors (no host sync): ``pg_loss``, ``kl_loss``,
         ``entropy_loss`` (the weighted parts of the loss), ``action_tokens``, and over the
         batch's action tokens the means ``pg_clipfrac_upper`` (A > 0, ratio > 1 + clip_high),
@@ -696,8 +708,8 @@ def ppo_loss(
     elif tis_cap is not None:
         tis_cap = require_real("tis_cap", tis_cap)
     triton, weights, token_mean, count_override, scale = _aggregation_for_backend(
-        backend, device, logprobs.dtype, mode, action_mask, cu_seqlens, rollout_ids, token_weights,
-        global_tokens, global_sequences, norm_constant, validate)
+        backend, "logprobs", device, logprobs.dtype, mode, action_mask, cu_seqlens, rollout_ids,
+        token_weights, global_tokens, global_sequences, norm_constant, validate)
     if not triton:
         params = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
                       ref_logprobs=ref_logprobs, kl_coef=kl_coef, kl_estimator=kl_estimator,
@@ -749,6 +761,8 @@ def value_loss(
     Args:
         values: ``[T]`` float, differentiable; old_values, returns: ``[T]`` constants.
         clip: None or > 0.
+        backend: as in ``ppo_loss``, with ``values`` in the role of ``logprobs`` (float64
+            ``values`` run on the torch path in float64; ``triton`` refuses them).
 
     Returns:
         ``(loss, metrics)``: ``vf_clipfrac`` (fraction of action tokens whose clipped term is
@@ -766,8 +780,8 @@ def value_loss(
         if not (clip > 0 and math.isfinite(clip)):
             raise ValueError(f"clip must be None or a finite value > 0 (e.g. 0.2), got {clip}")
     triton, weights, token_mean, count_override, scale = _aggregation_for_backend(
-        backend, device, values.dtype, mode, action_mask, cu_seqlens, rollout_ids, token_weights,
-        global_tokens, global_sequences, norm_constant, validate)
+        backend, "values", device, values.dtype, mode, action_mask, cu_seqlens, rollout_ids,
+        token_weights, global_tokens, global_sequences, norm_constant, validate)
     if not triton:
         return _value_loss_torch(values, old_values, returns, action_mask, weights, scale, clip)
 

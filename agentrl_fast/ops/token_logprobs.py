@@ -20,6 +20,9 @@ Backends (``backend=``):
 - ``"auto"`` (default): ``"triton"`` on CUDA (and on the CPU under ``TRITON_INTERPRET=1``),
   ``"torch"`` otherwise.
 
+Both backends compute in float32, so float64 logits (or hidden/weight) are refused on every
+backend with a ``TypeError`` naming the argument, never silently rounded to float32.
+
 Both run inside the registered ops ``agentrl_fast::token_logprobs_forward`` / ``_backward``
 (and ``linear_token_logprobs_forward`` / ``_backward``), declared with
 ``torch.library.custom_op`` plus a fake, so ``torch.compile`` keeps one graph.

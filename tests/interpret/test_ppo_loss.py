@@ -1,7 +1,9 @@
 """The Triton path of ppo_loss / value_loss (kernels/ppo_loss.py) under TRITON_INTERPRET=1:
 the same checks as tests/test_ppo_loss.py (float64 references, every mode, gradients, masked
 tokens, micro-batches), plus launchers writing every element of NaN-poisoned outputs, several
-kernel programs and finalize row chunks, and the registered ops' opcheck."""
+kernel programs and finalize row chunks, the registered ops' opcheck, float64 inputs going to
+the torch path (the kernels compute in float32), and the bodies of test_ppo_loss.py's CUDA
+tests on the CPU."""
 
 import importlib.util
 import os
@@ -50,31 +52,74 @@ def test_triton_ppo_loss_matches_reference(mode, features):
     assert (dlogp[off] == 0).all() and (dent is None or (dent[off] == 0).all())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_dtypes_match_torch_path(dtype):
     batch = make_batch(LENGTHS, 4, dtype=dtype)
     ours = run_ppo(batch, "seq-mean-token-mean", "all", backend=BACKEND)
     torch_path = run_ppo(batch, "seq-mean-token-mean", "all", backend="torch")
     assert ours[2].dtype == dtype and ours[3].dtype == dtype
-    tol = 1e-5 if dtype == torch.float64 else 2 * torch.finfo(dtype).eps
+    tol = 2 * torch.finfo(dtype).eps
     torch.testing.assert_close(ours[0].double(), torch_path[0].double(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ours[2].double(), torch_path[2].double(), rtol=tol, atol=1e-7)
 
 
-def test_triton_masked_nan_and_fully_masked():
-    batch = make_batch(LENGTHS, 6, masked_sequences=(1, 2, 3))
-    off = ~batch["action_mask"]
-    for key in ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "entropy",
-                "rollout_logprobs"):
-        batch[key] = batch[key].masked_fill(off, float("nan"))
-    loss, metrics, dlogp, dent = run_ppo(batch, "rollout-mean", "all", backend=BACKEND)
-    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
-    assert (dlogp[off] == 0).all() and (dent[off] == 0).all() and torch.isfinite(dlogp).all()
-    batch["action_mask"][:] = False
-    for mode in LOSS_AGG_MODES:
-        loss, metrics, dlogp, dent = run_ppo(batch, mode, "all", backend=BACKEND)
-        assert float(loss) == 0 and (dlogp == 0).all() and (dent == 0).all()
-        assert all(torch.isfinite(v) for v in metrics.values())
+def assert_float64_close(name, got, want):
+    """Within 1e-12 of the float64 reference, relative to its magnitude (at least 1)."""
+    got, want = got.detach().double(), want.detach().double()
+    error = float((got - want).abs().max()) if want.numel() else 0.0
+    allowed = 1e-12 * max(1.0, float(want.abs().max()) if want.numel() else 0.0)
+    assert error <= allowed, f"{name}: max error {error:.3g} > {allowed:.3g}"
+
+
+def test_float64_runs_in_float64_on_the_torch_path():
+    """The kernels compute in float32: float64 logprobs / values take the torch path under
+    auto (float64 throughout: ~1e-12 from the float64 reference); backend="triton" refuses
+    them, naming the argument."""
+    mode = "seq-mean-token-mean"
+    batch = make_batch(LENGTHS, 4, dtype=torch.float64)
+    auto = run_ppo(batch, mode, "all", backend="auto")
+    torch_path = run_ppo(batch, mode, "all", backend="torch")
+    weights = reference_weights(mode, batch)
+    reference = reference_ppo(batch, weights, "all")
+    for i, name in ((0, "loss"), (2, "dlogprobs"), (3, "dentropy")):
+        assert auto[i].dtype == torch.float64 and torch.equal(auto[i], torch_path[i]), name
+        assert_float64_close(name, auto[i], reference[i])
+    for name, want in reference[1].items():
+        assert_float64_close(name, auto[1][name], want)
+    values = batch["values"].clone().requires_grad_()
+    loss, _ = module.value_loss(values, batch["old_values"], batch["returns"],
+                                batch["action_mask"], clip=0.2, cu_seqlens=batch["cu_seqlens"],
+                                loss_agg_mode=mode)
+    (grad,) = torch.autograd.grad(loss, values)
+    values64 = batch["values"].clone().requires_grad_()
+    ref_loss, _ = _cpu.value_loss_reference(values64, batch["old_values"], batch["returns"],
+                                            batch["action_mask"], weights=weights, clip=0.2)
+    (ref_grad,) = torch.autograd.grad(ref_loss, values64)
+    assert loss.dtype == grad.dtype == torch.float64
+    assert_float64_close("value loss", loss, ref_loss)
+    assert_float64_close("dvalues", grad, ref_grad)
+    with pytest.raises(ValueError, match="logprobs is float64, but backend 'triton' computes"):
+        run_ppo(batch, mode, "all", backend=BACKEND)
+    with pytest.raises(ValueError, match="values is float64, but backend 'triton' computes"):
+        run_value(batch, mode, 0.2, backend=BACKEND)
+
+
+# The bodies of the CUDA tests of tests/test_ppo_loss.py, on the CPU (each well under 0.1 s).
+
+@pytest.mark.parametrize("dtype", _cpu.TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(_cpu.TRITON_CASES))
+def test_triton_case_against_torch_path_and_float64(case, dtype):
+    _cpu.check_triton_ppo_case(case, dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", _cpu.TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(_cpu.VALUE_CASES))
+def test_triton_value_case_against_torch_path_and_float64(case, dtype):
+    _cpu.check_triton_value_case(case, dtype, "cpu")
+
+
+def test_triton_masked_nan_fully_masked_and_empty():
+    _cpu.check_triton_masked_and_empty(torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

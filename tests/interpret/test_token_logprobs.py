@@ -19,7 +19,8 @@ _spec = importlib.util.spec_from_file_location(
 checks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(checks)
 
-from agentrl_fast.ops.token_logprobs import resolve_backend, token_logprobs  # noqa: E402
+from agentrl_fast.ops.token_logprobs import (linear_token_logprobs, resolve_backend,  # noqa: E402
+                                             token_logprobs)
 
 BACKEND = "triton"
 
@@ -106,3 +107,19 @@ def test_linear_frozen_weight_logp_only():
     hidden, weight, labels = checks.make_linear(20, 16, 1000, torch.float32, seed=11)
     checks.check_linear(hidden, weight, labels, backend=BACKEND, chunk_size=8, entropy=False,
                         need_weight=False)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
+def test_float64_is_refused_not_rounded(backend):
+    """Both backends compute in float32: float64 logits, hidden or weight raise a TypeError
+    naming the argument (under the interpreter "auto" means the Triton path), never a float32
+    result."""
+    logits, labels = checks.make_case(5, 50, torch.float64, seed=0)
+    with pytest.raises(TypeError, match="logits must be bfloat16, float16 or float32, got "
+                                        "torch.float64"):
+        token_logprobs(logits, labels, backend=backend)
+    hidden, weight = torch.randn(5, 8, dtype=torch.float64), torch.randn(50, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="hidden must be bfloat16, float16 or float32"):
+        linear_token_logprobs(hidden, weight, labels, backend=backend)
+    with pytest.raises(TypeError, match="weight must be bfloat16, float16 or float32"):
+        linear_token_logprobs(hidden.float(), weight, labels, backend=backend)
