@@ -87,24 +87,29 @@ WORKER = textwrap.dedent("""
     torch.set_num_threads(1)
     from test_train import ParityVaultEnvironment, chat_format, policy_for, train_config
     from agentrl_fast.train import Trainer
-    from agentrl_fast.train.distributed import (DistributedConfig, full_state_dict, init_world,
-                                                shutdown)
-    out, strategy = sys.argv[1], sys.argv[2]
-    distributed = DistributedConfig(strategy=strategy)
-    world = init_world(distributed)
-    chat = chat_format()
-    # critic_lr 1e-3, not the helper's 1e-2: Adam turns the float noise of a gradient element
-    # that cancels to ~0 into a step of ~lr, which at 1e-2 exceeds float32 tolerance.
-    config = train_config(steps=3, tasks_per_step=3, micro_batch_tokens=240, critic_lr=1e-3,
-                          distributed=distributed)
-    trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config,
-                      log=lambda *args: None, world=world)
-    rows = trainer.train()
-    state = {{name: full_state_dict(model, world) for name, model in
-              (("policy", trainer.policy), ("critic", trainer.critic),
-               ("reference", trainer.reference))}}
-    if world is None or world.is_main:
-        torch.save({{"rows": rows, **state}}, out)
+    from agentrl_fast.train.distributed import (DistributedConfig, World, full_state_dict,
+                                                init_world, shutdown)
+    # One launch trains once per strategy (comma-separated) in the same process group: a
+    # torchrun launch costs ~15 CPU-seconds of imports.
+    out, strategies = sys.argv[1], sys.argv[2].split(",")
+    group = init_world(DistributedConfig(strategy=strategies[0]))
+    for strategy in strategies:
+        distributed = DistributedConfig(strategy=strategy)
+        world = None if group is None else World(distributed, group.rank, group.size,
+                                                 group.device)
+        chat = chat_format()
+        # critic_lr 1e-3, not the helper's 1e-2: Adam turns the float noise of a gradient
+        # element that cancels to ~0 into a step of ~lr, which at 1e-2 exceeds float32 tolerance.
+        config = train_config(steps=3, tasks_per_step=3, micro_batch_tokens=240, critic_lr=1e-3,
+                              distributed=distributed)
+        trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config,
+                          log=lambda *args: None, world=world)
+        rows = trainer.train()
+        state = {{name: full_state_dict(model, world) for name, model in
+                  (("policy", trainer.policy), ("critic", trainer.critic),
+                   ("reference", trainer.reference))}}
+        if world is None or world.is_main:
+            torch.save({{"rows": rows, **state}}, f"{{out}}.{{strategy}}.pt")
     shutdown()
 """)
 
@@ -114,27 +119,38 @@ SAME = ("reward", "success", "tokens", "sub_traces", "policy_loss", "value_loss"
 
 
 @pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory):
+def worker_script(tmp_path_factory):
+    script = tmp_path_factory.mktemp("worker") / "worker.py"
+    script.write_text(WORKER.format(tests=str(ROOT / "tests")))
+    return script
+
+
+@pytest.fixture(scope="module")
+def one_process_run(worker_script):
     """The worker without torchrun (no world: the strategy is not read), shared by the FSDP2 and
     DDP comparisons."""
-    folder = tmp_path_factory.mktemp("one-process")
-    script, out = folder / "worker.py", folder / "one.pt"
-    script.write_text(WORKER.format(tests=str(ROOT / "tests")))
-    subprocess.run([sys.executable, str(script), str(out), "fsdp"], cwd=ROOT, env=ENV,
+    out = worker_script.parent / "one"
+    subprocess.run([sys.executable, str(worker_script), str(out), "fsdp"], cwd=ROOT, env=ENV,
                    check=True, timeout=240)
-    return torch.load(out)
+    return torch.load(f"{out}.fsdp.pt")
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(worker_script):
+    """One torchrun launch of 2 ranks training under FSDP2, then DDP: (returncode, stderr, out
+    prefix)."""
+    out = worker_script.parent / "two"
+    result = torchrun(2, str(worker_script), str(out), "fsdp,ddp")
+    return result.returncode, result.stderr, out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_two_ranks_equal_one_process_on_the_same_global_batch(tmp_path, strategy,
-                                                              one_process_run):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(ROOT / "tests")))
-    two = tmp_path / "two.pt"
-    result = torchrun(2, str(script), str(two), strategy)
-    assert result.returncode == 0, result.stderr[-3000:]
-    a, b = one_process_run, torch.load(two)
+def test_two_ranks_equal_one_process_on_the_same_global_batch(strategy, one_process_run,
+                                                              two_rank_runs):
+    returncode, stderr, out = two_rank_runs
+    assert returncode == 0, stderr[-3000:]
+    a, b = one_process_run, torch.load(f"{out}.{strategy}.pt")
     for row_a, row_b in zip(a["rows"], b["rows"], strict=True):
         for key in SAME:
             assert row_b[key] == pytest.approx(row_a[key], rel=1e-4, abs=1e-6), key

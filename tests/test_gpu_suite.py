@@ -1,21 +1,56 @@
 """bench/gpu_suite.sh fits its lease: the stage caps sum to SUITE_SECONDS, the headline benchmarks
 come before the compiled baselines and the test stages, and the preflight
 (bench/gpu_preflight.py) lists every third-party module the stages' sources import, followed
-through our own modules. (CI also dry-runs the whole suite on the CPU: .ci/run.)"""
+through our own modules; and the whole suite dry-runs on the CPU with tiny sizes (in the
+background from the session's start: tests/background.py)."""
 
 import ast
 import importlib.util
+import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from background import Command
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "bench" / "gpu_suite.sh"
 HEADLINE = ("bench_gae", "bench_varlen_attention", "bench_token_logprobs", "bench_ppo_loss")
 LATER = ("bench_compiled", "tests", "sanitize")
+
+
+def _dry_run_command() -> Command:
+    out = Path(tempfile.gettempdir()) / f"agentrl_fast_gpu_suite_dry_run_{os.getpid()}"
+    return Command(["bash", str(SUITE), str(out), "--device", "cpu", "--tiny"], cwd=str(ROOT),
+                   env=dict(os.environ, CAP_SCALE="5"), timeout=900)
+
+
+def background_command(params: dict) -> Command | None:
+    """The dry run starts in the background at the session's start (tests/background.py)."""
+    return _dry_run_command() if "dry_run" in params else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dry_run", ["cpu-tiny"])
+def test_the_whole_suite_dry_runs_on_the_cpu(dry_run, background_result):
+    """Every stage of bench/gpu_suite.sh runs (tiny sizes, CPU tensors) and passes."""
+    command = _dry_run_command()
+    result = background_result(command)
+    out = Path(command.argv[2])
+    summary = (out / "summary.txt").read_text() if (out / "summary.txt").exists() else ""
+    assert result.returncode == 0, summary + result.stdout[-3000:] + result.stderr[-3000:]
+    names = [name for name, _ in plan()[0]]
+    for name in names:
+        assert re.search(rf"^{name}: ok in", summary, re.M), (name, summary)
+    assert summary.splitlines()[-1] == "gpu_suite: all stages passed"
+    rows = (out / "rows.jsonl").read_text().splitlines()
+    ops = {json.loads(row)["op"] for row in rows}
+    assert {"gae", "varlen_attention", "token_logprobs", "ppo_loss"} <= ops, ops
+    assert "warm_triton_cache: exit 0" in (out / "warm.log").read_text()
 
 
 def load_preflight():
