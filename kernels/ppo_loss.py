@@ -279,7 +279,8 @@ def ppo_forward_signature(dtype: str, weights: bool = True) -> dict:
 def aot_specs():
     """The shipped configurations: every feature flag of the forward on (each KL estimator) and
     all off, for fp32 and bf16 inputs; the value loss with and without clipping; the finalize
-    for both column layouts; the backward for each output dtype."""
+    for both column layouts; the backward for each output dtype. No integer launch hints (see
+    tests/triton_aot.py): the token and row counts are arbitrary, and more than 1 in use."""
     for dtype in ("fp32", "bf16"):
         flag_sets = [dict(HAS_WEIGHTS=False, HAS_DUAL=False, KL=KL_NONE, HAS_ENTROPY=False,
                           HAS_ROLLOUT=False, NEED_GRAD_LOGP=True, NEED_GRAD_ENTROPY=False)]

@@ -134,7 +134,9 @@ def token_logprobs_backward_kernel(
 
 
 def aot_specs():
-    """Every configuration the launcher can pick, for tests/triton_aot.py (sm_90)."""
+    """Every configuration the launcher can pick, for tests/triton_aot.py (sm_90). Launch hints
+    (the specialisation the compiles get): vocabularies are padded to multiples of 16 (151936,
+    152064, 128256, 32000), so are ``V`` and the row strides; ``ignore_index`` (-100) is not."""
     for dtype in LOGIT_DTYPES:
         for _, block_v, num_warps in BLOCK_CONFIGS:
             for with_entropy in (False, True):
@@ -148,6 +150,7 @@ def aot_specs():
                                   "ignore_index": "i32", "COMPUTE_ENTROPY": "constexpr",
                                   "BLOCK_V": "constexpr"},
                     "constexprs": {"COMPUTE_ENTROPY": with_entropy, "BLOCK_V": block_v},
+                    "hints": {"divisible_by_16": ["stride_row", "V"]},
                     "num_warps": num_warps, "num_stages": 1,
                 }
                 yield {
@@ -161,5 +164,6 @@ def aot_specs():
                                   "ignore_index": "i32", "HAS_GRAD_ENTROPY": "constexpr",
                                   "BLOCK_V": "constexpr"},
                     "constexprs": {"HAS_GRAD_ENTROPY": with_entropy, "BLOCK_V": block_v},
+                    "hints": {"divisible_by_16": ["stride_row", "grad_stride_row", "V"]},
                     "num_warps": num_warps, "num_stages": 1,
                 }

@@ -404,6 +404,18 @@ def _backward_signature(dtype: str) -> dict:
     return signature
 
 
+def _launch_hints(signature: dict) -> dict:
+    """The specialisation of a typical launch, which the compiles of ``tests/triton_aot.py``
+    get: the token and head strides of q/k/v/out (and their gradients) and ``head_dim`` are
+    multiples of 16 (head dims in use: 64, 80, 96, 128, 192, 256); ``causal`` is 1, which the
+    launcher turns into a constant. The lse/delta head stride (the token count), the head
+    counts (28 query heads in Qwen2.5-7B) and ``groups`` (GQA: 4, 7, ...) vary; a launch where
+    one is a multiple of 16 (or ``groups`` is 1) compiles a variant not compiled here."""
+    divisible = [name for name in signature
+                 if name.startswith("stride_") and name != "stride_lse_h"] + ["head_dim"]
+    return {"divisible_by_16": divisible, "equal_to_1": ["causal"]}
+
+
 def aot_specs():
     """Every configuration the launcher can pick: forward and backward per dtype, padded head
     dim and even/odd head dim, plus the backward's preprocess kernel per dtype."""
@@ -419,6 +431,7 @@ def aot_specs():
                                       "BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"],
                                       "IEEE": dtype == "fp32"},
                        "num_warps": config["num_warps"], "num_stages": config["num_stages"],
+                       "hints": _launch_hints(_forward_signature(dtype)),
                        # only the bf16/fp16 forward at D 64/128 must not spill (the issue)
                        "allow_spills": not (dtype != "fp32" and padded in (64, 128) and even)}
                 config = backward_config(dtype, padded)
@@ -428,6 +441,7 @@ def aot_specs():
                        "constexprs": {"HEAD_DIM": padded, "EVEN_D": even, "BLOCK": config["BLOCK"],
                                       "STEP": config["STEP"], "IEEE": dtype == "fp32"},
                        "num_warps": config["num_warps"], "num_stages": config["num_stages"],
+                       "hints": _launch_hints(_backward_signature(dtype)),
                        "allow_spills": True}  # spills are recorded in bench/results/
         pointer = f"*{dtype}"
         yield {"name": f"varlen_attention_backward_preprocess_{dtype}",
@@ -437,4 +451,7 @@ def aot_specs():
                              "stride_delta_h": "i32", "num_tokens": "i32", "head_dim": "i32",
                              "BLOCK_T": "constexpr", "BLOCK_D": "constexpr"},
                "constexprs": {"BLOCK_T": PREPROCESS_BLOCK_T, "BLOCK_D": PREPROCESS_BLOCK_D},
+               # as _launch_hints: the token count and the delta head stride (= it) vary
+               "hints": {"divisible_by_16": ["stride_ot", "stride_oh", "stride_dot", "stride_doh",
+                                             "head_dim"]},
                "num_warps": 4, "num_stages": 1}

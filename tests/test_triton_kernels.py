@@ -2,10 +2,11 @@
 CPU by the interpreter in child processes.
 
 - AOT: ``tests/triton_aot.py`` compiles every configuration of ``kernels/*.py`` (``aot_specs()``)
-  for sm_90 with no GPU and fails on compile errors or register spills; the hot attention
+  for sm_90 with no GPU, with the launch hints a GPU launch gets, and fails on compile errors,
+  spills its spec does not allow, or shared memory over the sm_90 limit; the hot attention
   forwards must not spill and, in bf16, must use wgmma. It runs under this process's triton and
   under triton 3.6, the GPU machine's version, in the side environment ``triton36`` without
-  torch (``tools/setup_test_env.sh``).
+  torch (``tools/setup_test_env.sh``). Its parsing and rules: ``tests/test_triton_aot.py``.
 - Interpreter: the tests in ``tests/interpret/`` run kernels with ``TRITON_INTERPRET=1``, which
   triton reads when a kernel is defined, so they run in their own pytest process, one per file.
 
@@ -70,14 +71,16 @@ def test_every_kernel_configuration_compiles_for_sm90_without_spills(triton, bac
     # Every module that ships kernels contributes configurations.
     if _shipped_kernel_modules():
         assert summary["configurations"] > 0
-    # The hot attention forwards (bf16/fp16 at D = 64 and 128) do not spill, and the bf16 ones
-    # use wgmma, Hopper's matrix path.
+    # The hot attention forwards (bf16/fp16 at D = 64 and 128) do not spill, load K/V
+    # asynchronously (the software pipeline the launch hints allow), and the bf16 ones use wgmma,
+    # Hopper's matrix path.
     rows = {row["name"]: row for row in lines[:-1]}
     assert set(HOT) <= set(rows), sorted(set(HOT) - set(rows))
     for name in HOT:
         row = rows[name]
         assert row["ok"] and row["ptxas_ok"], json.dumps(row)[-3000:]
         assert row["spill_bytes"] == 0, f"{name} spills {row['spill_bytes']} bytes ({row['triton']})"
+        assert row["cp_async"] + row["tma"] > 0, f"{name}: no cp.async/TMA ({row['triton']})"
         if "_bf16_" in name:
             assert row["wgmma"], f"{name}: no wgmma in the PTX under triton {row['triton']}"
 

@@ -1,4 +1,5 @@
-"""Compile every shipped Triton kernel configuration for sm_90 (H100/H200) ahead of time.
+"""Compile every shipped Triton kernel configuration for sm_90 (H100/H200) ahead of time, with
+the specialisation a launch on the GPU gets.
 
 Runs with no GPU and no torch (it imports only triton and ``kernels/``), so it can run under
 any triton version in a side environment: ``python tests/triton_aot.py``. Each module
@@ -6,13 +7,25 @@ any triton version in a side environment: ``python tests/triton_aot.py``. Each m
 
     {"name": str, "fn": <@triton.jit function>, "signature": {arg: "*fp32" | "i32" | ... |
      "constexpr"}, "constexprs": {arg: value}, "num_warps": int, "num_stages": int,
-     "allow_spills": bool (optional, default False)}
+     "allow_spills": bool (optional, default False),
+     "hints": {"divisible_by_16": [int arg, ...], "equal_to_1": [int arg, ...]} (optional)}
 
-one per configuration the launcher can pick. For each, this prints one JSON line: name, triton
-version, compile seconds, registers, spill bytes (the report of the ptxas run triton's compile
-makes itself, with its own flags), shared memory, and whether the PTX uses wgmma. Exit status 1
-when a configuration fails to compile or spills. Each compile gets a fresh triton cache, so each
-runs ptxas.
+one per configuration the launcher can pick. Launch hints: triton's launcher specialises every
+pointer and integer argument on its value (``tt.divisibility = 16`` when divisible by 16, the
+constant 1 for an integer equal to 1), and the compile it makes depends on it (vectorised and
+``cp.async`` loads need aligned addresses). Each compile here gets the specialisation of a
+typical launch: every pointer divisible by 16 (torch's allocations are), plus the integer
+arguments the spec's ``hints`` names (default: none; each spec says why). One compile per
+configuration: other specialisations of the same configuration are not compiled.
+
+For each configuration this prints one JSON line: name, triton version, compile seconds,
+registers and spill bytes (the ptxas run of triton's own compile), shared memory, and counts in
+the PTX (``cp_async``, ``tma``, ``wgmma`` with its shapes, ``local_in_loops``: see
+``ptx_counts``), with ``ok`` false and a ``reason`` when it fails to compile, its hints do not
+reach the compile, it spills where the spec does not allow it or it needs more shared memory
+than an sm_90 block may have (``failure_reasons``). Exit status 1 when any fails. Each compile
+gets a fresh triton cache, so each runs ptxas. ``python tests/triton_aot.py NAME ...`` compiles
+only the configurations named (spot checks).
 """
 
 import contextlib
@@ -33,6 +46,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+TARGET = GPUTarget("cuda", 90, 32)
+# Shared memory one block may use on sm_90 (H100/H200), opted in: 227 KB.
+SM90_SHARED_BYTES = 232448
+INTEGER_TYPES = ("i32", "i64", "u32", "u64")
 
 
 def ptxas_path() -> Path:
@@ -60,6 +77,51 @@ def load_kernel_modules():
     return modules
 
 
+# ---------------------------------------------------------------------------------------------
+# Launch hints.
+
+def launch_hints(spec: dict) -> dict:
+    """The spec's ``hints`` with defaults, checked: each name an integer argument."""
+    hints = spec.get("hints", {})
+    unknown = set(hints) - {"divisible_by_16", "equal_to_1"}
+    if unknown:
+        raise ValueError(f"{spec['name']}: unknown hints {sorted(unknown)}")
+    hints = {key: list(hints.get(key, ())) for key in ("divisible_by_16", "equal_to_1")}
+    for name in hints["divisible_by_16"] + hints["equal_to_1"]:
+        if spec["signature"].get(name) not in INTEGER_TYPES:
+            raise ValueError(f"{spec['name']}: hint on {name!r}, which is not an integer "
+                             f"argument ({spec['signature'].get(name)})")
+    return hints
+
+
+def divisibility_attr() -> list:
+    """The attribute list triton's launcher gives an argument divisible by 16 (the backend's
+    own ``parse_attr``, so the format is the installed triton's: ``[["tt.divisibility", 16]]``
+    under 3.6 and 3.8, keyed by the argument's path ``(index,)`` in ``ASTSource(attrs=...)``)."""
+    from triton.compiler.compiler import make_backend
+
+    return make_backend(TARGET).parse_attr("D")
+
+
+def hinted_source(spec: dict) -> ASTSource:
+    """``ASTSource`` of ``spec`` specialised as a launch with its hints: every pointer and each
+    ``divisible_by_16`` integer gets the divisibility attribute, each ``equal_to_1`` integer
+    becomes the constant 1 (its signature entry ``constexpr``, as the launcher makes it)."""
+    hints = launch_hints(spec)
+    signature, constexprs = dict(spec["signature"]), dict(spec["constexprs"])
+    for name in hints["equal_to_1"]:
+        signature[name], constexprs[name] = "constexpr", 1
+    divisible = [name for name, kind in signature.items() if kind.startswith("*")]
+    divisible += hints["divisible_by_16"]
+    arg_names = spec["fn"].arg_names
+    attr = divisibility_attr()
+    attrs = {(arg_names.index(name),): attr for name in divisible}
+    return ASTSource(fn=spec["fn"], signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading ptxas's report and the PTX.
+
 def parse_ptxas_log(text: str) -> dict:
     """Registers and spill bytes from ptxas's ``-v`` report."""
     registers = [int(n) for n in re.findall(r"Used (\d+) registers", text)]
@@ -67,43 +129,120 @@ def parse_ptxas_log(text: str) -> dict:
     return {"registers": max(registers, default=None), "spill_bytes": max(spills, default=0)}
 
 
+def ptx_instructions(ptx: str) -> list[str]:
+    """The PTX's lines without comments and blank lines (labels kept)."""
+    lines = (line.split("//", 1)[0].strip() for line in ptx.splitlines())
+    return [line for line in lines if line]
+
+
+def loop_lines(lines: list[str]) -> set[int]:
+    """Indices of the lines inside a loop body. Heuristic: a loop is a label and a later branch
+    back to it (``$L__BB0_3:`` ... ``@%p7 bra $L__BB0_3;``), which is how LLVM lays out every
+    loop in PTX; its body is the lines in between. Nested loops overlap; the union counts once."""
+    labels = {}
+    inside = set()
+    for index, line in enumerate(lines):
+        label = re.fullmatch(r"(\$?[\w$.]+):", line)
+        if label:
+            labels[label.group(1)] = index
+            continue
+        branch = re.search(r"\bbra(?:\.uni)?\s+(\$?[\w$.]+)\s*;", line)
+        if branch and branch.group(1) in labels:  # a label already seen: a backward branch
+            inside.update(range(labels[branch.group(1)] + 1, index))
+    return inside
+
+
+def ptx_counts(ptx: str) -> dict:
+    """Instruction counts in the PTX (static, after unrolling): ``cp_async`` (Ampere-style
+    asynchronous copies, ``cp.async.ca``/``.cg``), ``tma`` (``cp.async.bulk.tensor``),
+    ``wgmma_count`` and ``wgmma_shapes`` (``wgmma.mma_async`` and its ``mMnNkK`` shapes), and
+    ``local_in_loops``: ``ld.local``/``st.local`` inside a loop body (``loop_lines``), local
+    memory traffic that the PTX already has before ptxas (ptxas's own spills are
+    ``spill_bytes``)."""
+    lines = ptx_instructions(ptx)
+    in_loop = loop_lines(lines)
+    wgmma = [line for line in lines if re.search(r"\bwgmma\.mma_async\b", line)]
+    shapes = {shape for line in wgmma for shape in re.findall(r"\.(m\d+n\d+k\d+)\b", line)}
+    return {
+        "cp_async": sum(bool(re.search(r"\bcp\.async\.c[ag]\b", line)) for line in lines),
+        "tma": sum(bool(re.search(r"\bcp\.async\.bulk\.tensor\b", line)) for line in lines),
+        "wgmma": bool(wgmma), "wgmma_count": len(wgmma),
+        "wgmma_shapes": sorted(shapes, key=lambda s: [int(n) for n in re.findall(r"\d+", s)]),
+        "local_in_loops": sum(bool(re.search(r"\b(?:ld|st)\.local\b", lines[i]))
+                              for i in in_loop),
+    }
+
+
+def divisible_arguments(ttir: str) -> int:
+    """How many arguments of the kernel's entry function carry ``tt.divisibility`` in the TTIR:
+    the launch hints that reached the compile (a format triton does not read is dropped
+    silently)."""
+    match = re.search(r"tt\.func public @[\w$.]+\((.*?)\)\s*(?:attributes|\{)", ttir, re.S)
+    return match.group(1).count("tt.divisibility") if match else 0
+
+
+def failure_reasons(row: dict, allow_spills: bool) -> list[str]:
+    """Why a compiled configuration fails: the launch hints did not reach the compile, ptxas
+    failed, it spills where the spec does not allow it, or it needs more shared memory than an
+    sm_90 block may have (the launch would raise ``OutOfResources``)."""
+    reasons = []
+    if row.get("divisible_args") != row.get("hinted_args"):
+        reasons.append(f"{row.get('divisible_args')} arguments divisible by 16 in the TTIR, "
+                       f"{row.get('hinted_args')} hinted")
+    if not row["ptxas_ok"]:
+        reasons.append("ptxas failed")
+    if row.get("spill_bytes") and not allow_spills:
+        reasons.append(f"spills {row['spill_bytes']} bytes (the spec does not allow spills)")
+    if row.get("shared_bytes", 0) > SM90_SHARED_BYTES:
+        reasons.append(f"needs {row['shared_bytes']} bytes of shared memory, over the sm_90 "
+                       f"limit of {SM90_SHARED_BYTES}")
+    return reasons
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling.
+
 def ptxas_report(ptx: str) -> dict:
     """A ptxas run of our own on ``ptx`` (for a compile whose own report was not printed)."""
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernel.ptx"
         source.write_text(ptx)
         result = subprocess.run([str(ptxas_path()), "-arch=sm_90a", "-v", str(source), "-o",
-                                 str(Path(folder) / "kernel.cubin")], capture_output=True, text=True)
+                                 str(Path(folder) / "kernel.cubin")],
+                                capture_output=True, text=True)
     text = result.stdout + result.stderr
     return {"ptxas_ok": result.returncode == 0, **parse_ptxas_log(text),
             "ptxas_error": None if result.returncode == 0 else text[-2000:]}
 
 
-def _compile(spec: dict):
+def _compile(source: ASTSource, spec: dict):
     """``triton.compile`` for sm_90 with triton's ptxas report captured: (compiled, log)."""
     from triton import knobs
 
-    source = ASTSource(fn=spec["fn"], signature=spec["signature"], constexprs=spec["constexprs"])
     knobs.nvidia.dump_ptxas_log = True  # triton prints its ptxas -v report after the compile
     log = io.StringIO()
     # A fresh cache, read by triton at each compile: a cached kernel would skip ptxas.
     with tempfile.TemporaryDirectory(prefix="triton_aot_") as cache, \
             contextlib.redirect_stdout(log):
         os.environ["TRITON_CACHE_DIR"] = cache
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+        compiled = triton.compile(source, target=TARGET,
                                   options={"num_warps": spec["num_warps"],
                                            "num_stages": spec["num_stages"]})
     return compiled, log.getvalue()
 
 
 def compile_spec(spec: dict) -> dict:
-    row = {"name": spec["name"], "triton": triton.__version__, "num_warps": spec["num_warps"],
-           "num_stages": spec["num_stages"]}
+    row = {"name": spec["name"], "kernel": spec["fn"].__name__, "triton": triton.__version__,
+           "num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
+           "allow_spills": bool(spec.get("allow_spills"))}
     start = time.perf_counter()
     try:
-        compiled, log = _compile(spec)
+        row["hints"] = launch_hints(spec)
+        source = hinted_source(spec)
+        compiled, log = _compile(source, spec)
     except Exception as error:  # report every failure, not only the first
-        row.update(ok=False, error=f"{type(error).__name__}: {str(error)[-2000:]}")
+        message = f"{type(error).__name__}: {str(error)[-2000:]}"
+        row.update(ok=False, error=message, reason=f"compile failed: {message[:200]}")
         return row
     row["compile_seconds"] = round(time.perf_counter() - start, 2)
     ptx = compiled.asm["ptx"]
@@ -111,10 +250,12 @@ def compile_spec(spec: dict) -> dict:
         row.update(ptxas_ok=True, ptxas_error=None, **parse_ptxas_log(log))
     else:
         row.update(ptxas_report(ptx))
-    row.update(shared_bytes=compiled.metadata.shared, wgmma="wgmma" in ptx)
+    row.update(shared_bytes=compiled.metadata.shared, hinted_args=len(source.attrs),
+               divisible_args=divisible_arguments(compiled.asm["ttir"]), **ptx_counts(ptx))
     # A configuration may declare "allow_spills": True (e.g. a backward whose spills are
     # recorded in bench/results/ rather than forbidden); everything else must not spill.
-    row["ok"] = row["ptxas_ok"] and (row["spill_bytes"] == 0 or bool(spec.get("allow_spills")))
+    reasons = failure_reasons(row, row["allow_spills"])
+    row.update(ok=not reasons, reason="; ".join(reasons) or None)
     return row
 
 
@@ -137,6 +278,9 @@ def compile_cost(spec: dict) -> tuple:
 def main() -> int:
     for module in load_kernel_modules():
         SPECS.extend(getattr(module, "aot_specs", lambda: [])())
+    only = sys.argv[1:]  # optional: names to compile (spot checks)
+    if only:
+        SPECS[:] = [spec for spec in SPECS if spec["name"] in only]
     SPECS.sort(key=compile_cost, reverse=True)
     # Configurations compile independently: one process per core (forked, so the kernels
     # loaded above are shared).
