@@ -500,12 +500,7 @@ def measure(fn: Callable[[], object], device: torch.device, args: argparse.Names
         return common.benchmark(fn, device, **options)
     times = []
     while len(times) < 3 or (sum(times) < args.target_ms and len(times) < 50):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(common.cuda_event_ms(fn))
     return statistics.median(times)
 
 

@@ -95,13 +95,18 @@ def _cuda_median_ms(fn, repeats: int, max_seconds: float) -> float:
     times = []
     start = time.perf_counter()
     while len(times) < repeats and time.perf_counter() - start < max_seconds:
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
+        times.append(cuda_event_ms(fn))
     return statistics.median(times)
+
+
+def cuda_event_ms(fn) -> float:
+    """One call of ``fn()`` timed with CUDA events (milliseconds)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end)
 
 
 def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 28) -> float:
