@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Golden runs: a short default run on one process and on two ranks (torchrun), whose
+# metrics.jsonl must stay identical, timings left out, through a redesign (tools/compare_metrics.py).
+#
+#   bash tools/golden_runs.sh           # compare with tests/golden/
+#   bash tools/golden_runs.sh --record  # record tests/golden/ (before a redesign's first change)
+#
+# Threads are pinned: float sums in torch's CPU kernels depend on the thread count.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=$(mktemp -d)
+args=(--steps 3 --set warmstart.steps=50 --no-progress)
+OMP_NUM_THREADS=2 python -m agentrl_fast.cli train --run-dir "$out/one" "${args[@]}" > "$out/one.log"
+OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \
+  -m agentrl_fast.cli train --run-dir "$out/two" "${args[@]}" > "$out/two.log" 2>&1
+status=0
+for name in one two; do
+  if [ "${1:-}" = --record ]; then
+    cp "$out/$name/metrics.jsonl" "tests/golden/metrics-$name.jsonl"
+    echo "recorded tests/golden/metrics-$name.jsonl"
+  else
+    python tools/compare_metrics.py "tests/golden/metrics-$name.jsonl" "$out/$name/metrics.jsonl" || status=1
+  fi
+done
+exit $status
