@@ -1,9 +1,11 @@
-"""``agentrl-fast``: ``train`` (the embedded default with no arguments), ``eval`` (a run's or a
-checkpoint's success on the held-out split), ``bench`` (the benchmark scripts).
+"""``agentrl-fast``: ``train`` (the main job, ``RunConfig()``, with no arguments), ``config`` (the
+configuration ``train`` would run, as YAML), ``eval`` (a run's or a checkpoint's success on the
+held-out split), ``bench`` (the benchmark scripts).
 
     agentrl-fast train                                   # warm-start + PPO, ~minutes on a CPU
     agentrl-fast train --algo grpo --steps 50 --seed 1
-    agentrl-fast train --config configs/default.yaml --set train.kl_coef=0.01
+    agentrl-fast train --config configs/grpo.yaml --set train.kl_coef=0.01
+    agentrl-fast config > configs/default.yaml           # the main job's YAML
     agentrl-fast eval --run-dir runs/default
     agentrl-fast bench rollout --tiny
 
@@ -33,6 +35,14 @@ def _train_config(args):
         if value is not None:
             overrides.append(f"{key}={value}")
     return apply_overrides(config, overrides)
+
+
+def _cmd_config(args) -> int:
+    from agentrl_fast.config import to_yaml, validate
+    config = _train_config(args)
+    validate(config)
+    print(to_yaml(config), end="")
+    return 0
 
 
 def _cmd_train(args) -> int:
@@ -110,23 +120,31 @@ def _cmd_bench(args) -> int:
     return status
 
 
+def _add_config_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--config", help="a YAML file over the main job (configs/)")
+    command.add_argument("--algo", choices=("ppo", "grpo"))
+    command.add_argument("--steps", type=int)
+    command.add_argument("--seed", type=int)
+    command.add_argument("--run-dir", dest="run_dir")
+    command.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                         help="override any field, e.g. train.rollout.context_budget=256")
+
+
 def parser() -> argparse.ArgumentParser:
     main = argparse.ArgumentParser(prog="agentrl-fast", description=__doc__.split("\n\n")[0])
     commands = main.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train (no arguments: the embedded default)")
-    train.add_argument("--config", help="a YAML file over the embedded default (configs/)")
-    train.add_argument("--algo", choices=("ppo", "grpo"))
-    train.add_argument("--steps", type=int)
-    train.add_argument("--seed", type=int)
-    train.add_argument("--run-dir", dest="run_dir")
-    train.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                       help="override any field, e.g. train.rollout.context_budget=256")
+    train = commands.add_parser("train", help="train (no arguments: the main job)")
+    _add_config_arguments(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--resume", action="store_true",
                        help="continue from the run folder's last complete checkpoint (an error "
                             "when it has none; without the flag a run folder with checkpoints "
                             "resumes too)")
     train.set_defaults(run=_cmd_train)
+    show = commands.add_parser("config", help="print the configuration train would run, as YAML "
+                                              "(no arguments: the main job, configs/default.yaml)")
+    _add_config_arguments(show)
+    show.set_defaults(run=_cmd_config)
     evaluate = commands.add_parser("eval", help="success and mean reward on the held-out split")
     evaluate.add_argument("--run-dir", default="runs/default")
     evaluate.add_argument("--checkpoint", help="a checkpoint folder (default: the run's latest)")

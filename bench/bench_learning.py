@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agentrl_fast.config import apply_overrides, default_config  # noqa: E402
+from agentrl_fast.config import RunConfig, apply_overrides  # noqa: E402
 from agentrl_fast.harness import RolloutEngine, TorchGenerator  # noqa: E402
 from agentrl_fast.train.ppo import Trainer  # noqa: E402
 from agentrl_fast.train.run import build, evaluate, expert_demonstrations, warm_start  # noqa: E402
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    base = apply_overrides(default_config(), [f"seed={args.seed}", *args.set])
+    base = apply_overrides(RunConfig(), [f"seed={args.seed}", *args.set])
     if args.demos is not None:
         base = dataclasses.replace(base, warmstart=dataclasses.replace(base.warmstart,
                                                                        demos=args.demos))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl_fast.config import (ConfigError, RunConfig, apply_overrides, default_config,
+from agentrl_fast.config import (ConfigError, RunConfig, apply_overrides,
                                  load_config, to_dict)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +120,7 @@ def test_warm_start_runs_its_checks_on_the_schedule():
     """The real warm-start (tiny budget): coarse checks until one reaches fine_check_from (0 here:
     the first does), then one every fine_check_every steps."""
     from agentrl_fast.train.run import build, expert_demonstrations, warm_start
-    config = apply_overrides(default_config(), [
+    config = apply_overrides(RunConfig(), [
         "warmstart.demos=4", "warmstart.steps=7", "warmstart.check_every=3",
         "warmstart.check_tasks=2", "warmstart.fine_check_every=2",
         "warmstart.fine_check_from=0.0", "warmstart.batch_sequences=4"])
@@ -148,11 +148,11 @@ def test_tokenizer_without_the_chat_tokens_is_refused(tmp_path):
 
 
 def test_config_files_and_overrides():
-    assert load_config(ROOT / "configs" / "default.yaml") == default_config()
+    assert load_config(ROOT / "configs" / "default.yaml") == RunConfig()
     grpo = load_config(ROOT / "configs" / "grpo.yaml")
     assert grpo.train.algo == "grpo" and grpo.train.loss_aggregation == "rollout-mean"
-    assert grpo.train.steps == default_config().train.steps  # the same budget
-    config = apply_overrides(default_config(), ["train.rollout.sampling.temperature=0.9",
+    assert grpo.train.steps == RunConfig().train.steps  # the same budget
+    config = apply_overrides(RunConfig(), ["train.rollout.sampling.temperature=0.9",
                                                 "seed=3", "model.tokenizer=null"])
     assert config.train.rollout.sampling.temperature == 0.9 and config.seed == 3
     assert isinstance(to_dict(config), dict) and isinstance(config, RunConfig)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl_fast.config import ConfigError, apply_overrides, default_config
+from agentrl_fast.config import ConfigError, RunConfig, apply_overrides
 from agentrl_fast.train.distributed import DistributedConfig, World
 from agentrl_fast.train.packing import balanced_partition
 
@@ -74,7 +74,7 @@ def test_tasks_and_task_order_round_trip(size, num_tasks, per_task):
 ])
 def test_bad_distributed_config_names_the_field(overrides, fragment):
     with pytest.raises(ConfigError) as error:
-        apply_overrides(default_config(), overrides)
+        apply_overrides(RunConfig(), overrides)
     assert fragment in str(error.value)
 
 

@@ -30,75 +30,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import json
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from agentrl_fast.config.rollout import RolloutConfig  # noqa: F401  (its old home)
+from agentrl_fast.seeds import derive_seed  # noqa: F401  (its old home)
 from agentrl_fast.harness.chat_format import ChatFormat
 from agentrl_fast.harness.environment import Environment, Episode, Task
-from agentrl_fast.harness.generation import Generation, Generator, SamplingParams
+from agentrl_fast.config.sampling import SamplingParams
+from agentrl_fast.harness.generation import Generation, Generator
 from agentrl_fast.harness.memory import MemoryNamespace, MemoryStore
 from agentrl_fast.harness.tool_calls import ToolCall
 from agentrl_fast.harness.tools import ToolRegistry, ToolResult
 from agentrl_fast.harness.trajectory import Trajectory, apply_turn
 
-SCHEDULES = ("lockstep", "overlap")
-MEMORY_SCOPES = ("rollout", "agent")
-
-
-def derive_seed(*parts) -> int:
-    """A 63-bit seed from any parts (``seed``, task id, sample index, turn): stable across
-    processes and Python versions (blake2b, not ``hash``)."""
-    digest = hashlib.blake2b("/".join(str(p) for p in parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """Limits and options of :class:`RolloutEngine` (see the module doc). Token counts are in
-    tokens of the chat format's tokenizer."""
-
-    samples_per_task: int = 1
-    sampling: SamplingParams = SamplingParams(max_new_tokens=128)
-    context_budget: int = 2048
-    max_turns: int = 32
-    max_sub_traces: int = 8
-    max_total_tokens: int = 32768
-    max_tool_response_chars: int = 2000
-    summary_chars: int = 600
-    memory_scope: str = "rollout"
-    schedule: str = "lockstep"
-    tool_timeout: float = 30.0
-
-    def __post_init__(self):
-        positive = ("samples_per_task", "context_budget", "max_turns", "max_sub_traces",
-                    "max_total_tokens", "max_tool_response_chars")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"RolloutConfig: {name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.summary_chars, int) or self.summary_chars < 0:
-            raise ValueError(f"RolloutConfig: summary_chars must be an int >= 0, "
-                             f"got {self.summary_chars!r}")
-        if not isinstance(self.sampling, SamplingParams):
-            raise TypeError(f"RolloutConfig: sampling must be a SamplingParams, "
-                            f"got {type(self.sampling).__name__}")
-        if self.sampling.max_new_tokens >= self.context_budget:
-            raise ValueError(f"RolloutConfig: context_budget ({self.context_budget}) must exceed "
-                             f"sampling.max_new_tokens ({self.sampling.max_new_tokens}) plus the "
-                             "prompt")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"RolloutConfig: schedule must be one of {', '.join(SCHEDULES)}, "
-                             f"got {self.schedule!r}")
-        if self.memory_scope not in MEMORY_SCOPES:
-            raise ValueError(f"RolloutConfig: memory_scope must be one of "
-                             f"{', '.join(MEMORY_SCOPES)}, got {self.memory_scope!r}")
-        if not self.tool_timeout > 0:
-            raise ValueError(f"RolloutConfig: tool_timeout must be > 0 seconds, "
-                             f"got {self.tool_timeout!r}")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 from agentrl_fast.harness.chat_format import IM_END, IM_START, TOOL_RESPONSE_CLOSE
 from agentrl_fast.harness.environment import SPLITS, Task
 from agentrl_fast.harness.memory import MemoryNamespace
-from agentrl_fast.harness.rollout import derive_seed
+from agentrl_fast.seeds import derive_seed
 from agentrl_fast.harness.tool_calls import ToolCall, parse_tool_calls
 from agentrl_fast.harness.tools import Tool, ToolResult, tool
 

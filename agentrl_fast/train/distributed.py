@@ -38,39 +38,17 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from agentrl_fast.config.distributed import DistributedConfig
 from agentrl_fast.models.attention import unwrap
 from agentrl_fast.train.packing import balanced_partition
 
-STRATEGIES = ("fsdp", "ddp")
-MIXED_PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class DistributedConfig:
-    """How a run uses N ranks (only read under ``torchrun``)."""
-
-    strategy: str = "fsdp"  # "fsdp" (FSDP2 fully_shard) or "ddp" (replicas)
-    mixed_precision: str = "none"  # FSDP2 parameter dtype in forward/backward: none, bf16, fp16
-    timeout_seconds: float = 600.0  # a collective waiting longer fails the job
-
-    def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, "
-                             f"got {self.strategy!r}")
-        if self.mixed_precision not in MIXED_PRECISIONS:
-            raise ValueError(f"mixed_precision must be one of "
-                             f"{', '.join(MIXED_PRECISIONS)}, got {self.mixed_precision!r}")
-        if self.mixed_precision != "none" and self.strategy != "fsdp":
-            raise ValueError("mixed_precision needs strategy='fsdp'")
-        if not self.timeout_seconds > 0:
-            raise ValueError(f"timeout_seconds must be > 0, "
-                             f"got {self.timeout_seconds!r}")
+# FSDP2's parameter dtype in forward/backward, per DistributedConfig.mixed_precision
+PARAM_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def launched() -> bool:
@@ -170,7 +148,7 @@ class World:
         model.to(self.device)
         if self.config.strategy == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-            dtype = MIXED_PRECISIONS[self.config.mixed_precision]
+            dtype = PARAM_DTYPES[self.config.mixed_precision]
             policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) \
                 if dtype is not None else MixedPrecisionPolicy()
             blocks = set(getattr(model, "_no_split_modules", None) or ())

@@ -258,7 +258,7 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
     warm_file = run_dir / "warmstart.json"
     train = dataclasses.replace(config.train, seed=config.seed,
                                 checkpoint_dir=str(run_dir / "checkpoints"),
-                                checkpoint_every=config.train.checkpoint_every or 5)
+                                checkpoint_every=config.train.checkpoint_every)
     if not resuming:
         if demos:
             losses, checks = warm_start(

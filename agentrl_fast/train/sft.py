@@ -8,10 +8,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from agentrl_fast.seeds import derive_seed
 from agentrl_fast.harness.chat_format import ChatFormat
 from agentrl_fast.harness.environment import Environment, Task
 from agentrl_fast.harness.generation import ScriptedGenerator
-from agentrl_fast.harness.rollout import RolloutConfig, RolloutEngine, derive_seed
+from agentrl_fast.harness.rollout import RolloutConfig, RolloutEngine
 from agentrl_fast.harness.trajectory import SubTrace, Trajectory
 from agentrl_fast.models.attention import use_packed_attention
 from agentrl_fast.models.critic import policy_logprobs

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl_fast.harness.generation import SamplingParams
-from agentrl_fast.harness.rollout import RolloutConfig
-from agentrl_fast.train.ppo import TrainConfig
+from agentrl_fast.config.distributed import DistributedConfig  # noqa: F401  (re-exported)
+from agentrl_fast.config.rollout import RolloutConfig
+from agentrl_fast.config.sampling import SamplingParams
+from agentrl_fast.config.train import TrainConfig
 
 
 @dataclass
@@ -93,17 +94,48 @@ class EvalConfig:
     temperature: float = 0.0
 
 
+def _main_job_env() -> EnvConfig:
+    """Every task has three vaults: the held-out split (vault lists never in the train split) is
+    all 3-vault lists anyway, and RL on mixed 2-3-vault tasks learned a 2-vault shortcut there
+    (docs/experiments.md)."""
+    return EnvConfig(min_vaults=3)
+
+
+def _main_job_train() -> TrainConfig:
+    """The main job's trainer (the library's TrainConfig() keeps a library user's defaults)."""
+    return TrainConfig(
+        algo="ppo", steps=80, tasks_per_step=8, micro_batch_tokens=16384,
+        # One pass over each batch in four mini-batches of whole rollouts (verl's default
+        # ppo_epochs=1), the old log-probs taken from the rollout: half the learning cost of two
+        # epochs, learning as fast per step (docs/experiments.md).
+        mini_batches=4, epochs=1, recompute_logprobs=False,
+        policy_lr=1e-4, critic_lr=3e-3, gamma=1.0, kl_coef=0.0,
+        # Lambda 1 through compactions: every action token's advantage is its rollout's
+        # return minus the critic's value there (docs/experiments.md).
+        lam=1.0,
+        entropy_coef=0.0,
+        loss_agg_mode="rollout-mean",  # each episode counts once, whatever its length
+        bootstrap_truncated=False,  # the vault task's limits end the episode (scored 0)
+        # A checkpoint every 5 steps (TrainConfig's 0: none, for library use).
+        checkpoint_every=5,
+        rollout=RolloutConfig(
+            samples_per_task=4, context_budget=200, max_turns=24, summary_chars=200,
+            sampling=SamplingParams(temperature=0.7, max_new_tokens=24)))
+
+
 @dataclass
 class RunConfig:
-    """A whole run. ``seed`` seeds everything (the model's weights, the warm-start, the
-    trainer: it replaces ``train.seed``)."""
+    """A whole run; ``RunConfig()`` is the main job (what ``agentrl-fast train`` runs with no
+    arguments; ``configs/default.yaml`` is its YAML, written by ``agentrl-fast config``).
+    ``seed`` seeds everything (the model's weights, the warm-start, the trainer: it replaces
+    ``train.seed``)."""
 
     seed: int = 0
     run_dir: str = "runs/default"
-    env: EnvConfig = field(default_factory=EnvConfig)
+    env: EnvConfig = field(default_factory=_main_job_env)
     model: ModelConfig = field(default_factory=ModelConfig)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = field(default_factory=_main_job_train)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -176,38 +208,25 @@ def _build(cls, data: dict, prefix: str, base=None):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {error}") from None
 
 
-def default_config() -> RunConfig:
-    """The embedded default (what ``agentrl-fast train`` runs with no arguments). Every task
-    has three vaults: the held-out split (vault lists never in the train split) is all 3-vault
-    lists anyway, and RL on mixed 2-3-vault tasks learned a 2-vault shortcut there
-    (docs/experiments.md)."""
-    return RunConfig(env=EnvConfig(min_vaults=3), train=TrainConfig(
-        algo="ppo", steps=80, tasks_per_step=8, micro_batch_tokens=16384,
-        # One pass over each batch in four mini-batches of whole rollouts (verl's default
-        # ppo_epochs=1), the old log-probs taken from the rollout: half the learning cost of two
-        # epochs, learning as fast per step (docs/experiments.md).
-        mini_batches=4, epochs=1, recompute_logprobs=False,
-        policy_lr=1e-4, critic_lr=3e-3, gamma=1.0, kl_coef=0.0,
-        # Lambda 1 through compactions: every action token's advantage is its rollout's
-        # return minus the critic's value there (docs/experiments.md).
-        lam=1.0,
-        entropy_coef=0.0,
-        loss_agg_mode="rollout-mean",  # each episode counts once, whatever its length
-        bootstrap_truncated=False,  # the vault task's limits end the episode (scored 0)
-        rollout=RolloutConfig(
-            samples_per_task=4, context_budget=200, max_turns=24, summary_chars=200,
-            sampling=SamplingParams(temperature=0.7, max_new_tokens=24))))
-
-
 def to_dict(config) -> dict:
     """A plain dict (YAML-ready) of a config dataclass."""
     return dataclasses.asdict(config)
 
 
-def load_config(path: str | Path | None = None, base: RunConfig | None = None) -> RunConfig:
-    """``base`` (default :func:`default_config`) with the YAML file at ``path`` applied."""
+def to_yaml(config: RunConfig) -> str:
+    """``config`` as the YAML ``load_config`` reads back (``configs/default.yaml`` is
+    ``to_yaml(RunConfig())``)."""
     import yaml
-    config = base if base is not None else default_config()
+    header = ("# The main job: RunConfig(), what `agentrl-fast train` runs with no arguments.\n"
+              "# Written by `agentrl-fast config > configs/default.yaml`; `seed` replaces "
+              "train.seed.\n")
+    return header + yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def load_config(path: str | Path | None = None, base: RunConfig | None = None) -> RunConfig:
+    """``base`` (default ``RunConfig()``, the main job) with the YAML file at ``path`` applied."""
+    import yaml
+    config = base if base is not None else RunConfig()
     if path is None:
         return config
     try:
