@@ -67,6 +67,7 @@ def _cmd_eval(args) -> int:
     from agentrl_fast.config import load_config
     from agentrl_fast.train.checkpoint import latest_checkpoint, load_checkpoint
     from agentrl_fast.train.run import build, evaluate
+    from agentrl_fast.train.state import load_policy_weights
 
     run_dir = Path(args.run_dir)
     config = load_config(run_dir / "config.yaml")
@@ -83,13 +84,7 @@ def _cmd_eval(args) -> int:
             print(f"agentrl-fast eval: no checkpoint in {run_dir / 'checkpoints'}", file=sys.stderr)
             return 2
         path, _, state = found
-    if "dcp" in state:  # written by a torchrun job: read the policy's tensors from its shards
-        import torch.distributed.checkpoint as dcp
-        target = {"policy": policy.state_dict()}
-        dcp.load(target, checkpoint_id=str(state["dcp"]))
-        policy.load_state_dict(target["policy"])
-    else:
-        policy.load_state_dict(state["policy"])
+    load_policy_weights(policy, state)  # (a torchrun job's: from its shards)
     m = evaluate(policy, chat, environment, config, seed=config.seed)
     print("| checkpoint | held-out tasks | success | mean reward | sub-traces | turns |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -38,6 +38,8 @@ import weakref
 
 import torch
 
+from agentrl_fast.models.wrappers import is_sharded, unwrap  # noqa: F401  (old home)
+
 from agentrl_fast.ops._checks import check_cu_seqlens_metadata, validate_cu_seqlens
 from agentrl_fast.ops.varlen_attention import varlen_attention
 
@@ -322,23 +324,6 @@ def _consumes_cu_seqlens(name) -> bool:
     except ImportError:
         return False
     return AttentionMaskInterface._global_mapping.get(name) is packed_attention_mask
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside a ``DistributedDataParallel`` wrapper (else ``model``)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is an FSDP2 module or a ``DistributedDataParallel`` wrapper: its forward
-    is a collective (or its parameters are shards), so callers run the model itself, never parts
-    of it or its weights directly."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
-    return isinstance(model, (FSDPModule, DistributedDataParallel))
 
 
 def packed_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,

@@ -21,7 +21,8 @@ import copy
 
 import torch
 
-from agentrl_fast.models.attention import is_sharded, packed_forward, unwrap, use_packed_attention
+from agentrl_fast.models.attention import packed_forward, use_packed_attention
+from agentrl_fast.models.wrappers import is_sharded, unwrap
 from agentrl_fast.models.fused import use_fused_layers, uses_fused_layers
 from agentrl_fast.ops import linear_token_logprobs, token_logprobs
 

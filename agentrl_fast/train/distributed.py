@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl_fast.config.distributed import DistributedConfig
-from agentrl_fast.models.attention import unwrap
+from agentrl_fast.models.wrappers import unwrap
 from agentrl_fast.train.packing import balanced_partition
 
 # FSDP2's parameter dtype in forward/backward, per DistributedConfig.mixed_precision

@@ -23,23 +23,23 @@ from typing import Any, Sequence
 
 import torch
 
-from agentrl_fast.seeds import derive_seed
 from agentrl_fast.config.train import TrainConfig
 from agentrl_fast.harness.chat_format import ChatFormat
 from agentrl_fast.harness.environment import Environment
 from agentrl_fast.harness.generation import TorchGenerator
 from agentrl_fast.harness.memory import MemoryStore
-from agentrl_fast.harness.rollout import RolloutConfig, RolloutEngine, rollout_metrics
+from agentrl_fast.harness.rollout import RolloutEngine, rollout_metrics
 from agentrl_fast.harness.trajectory import SubTrace, Trajectory
-from agentrl_fast.models.attention import unwrap, use_packed_attention
+from agentrl_fast.models.attention import use_packed_attention
 from agentrl_fast.models.critic import ValueHead, critic_values, make_critic, policy_logprobs
+from agentrl_fast.models.wrappers import unwrap
 from agentrl_fast.ops import loss_weights, ppo_loss, value_loss
+from agentrl_fast.seeds import derive_seed
 from agentrl_fast.train.advantages import gae_advantages, grpo_advantages, whiten_per_sub_trace
-from agentrl_fast.train.checkpoint import (export_pretrained, latest_checkpoint, rng_state,
-                                           save_checkpoint, save_distributed_checkpoint,
-                                           set_rng_state)
 from agentrl_fast.train.distributed import World, full_state_dict
-from agentrl_fast.train.packing import PackedBatch, micro_batches, pack_sub_traces, rollout_index_map
+from agentrl_fast.train.packing import micro_batches, pack_sub_traces, rollout_index_map
+from agentrl_fast.train.state import (export_models, load_trainer_state, resume,
+                                      save_trainer_checkpoint, trainer_state)
 
 
 
@@ -163,7 +163,7 @@ class Trainer:
             raise ValueError(f"tasks_per_step ({config.tasks_per_step}) exceeds the "
                              f"{len(self.tasks)} train tasks of {environment.name!r}")
         if config.checkpoint_dir:
-            self._resume()
+            resume(self)
 
     # -- data -----------------------------------------------------------------------------------
 
@@ -387,12 +387,12 @@ class Trainer:
                        rollout_seconds=rollout_seconds,
                        tokens_per_second=sum(len(s) for s in sub_traces)
                        / max(time.perf_counter() - start, 1e-9))
-        self._refresh_rollout_policy()
+        self.refresh_rollout_policy()
         if config.checkpoint_every and self.step_index % config.checkpoint_every == 0:
             self.save_checkpoint()
         return metrics
 
-    def _refresh_rollout_policy(self) -> None:
+    def refresh_rollout_policy(self) -> None:
         """Under FSDP: copy the updated shards into the whole policy rollouts run on."""
         if self.rollout_policy is not unwrap(self.policy):
             self.rollout_policy.load_state_dict(full_state_dict(self.policy, self.world))
@@ -634,155 +634,21 @@ class Trainer:
         error = max(min(kl / config.kl_target - 1.0, 0.2), -0.2)
         self.kl_coef *= 1.0 + error * episodes / config.kl_horizon
 
-    # -- checkpoints ----------------------------------------------------------------------------
+    # -- checkpoints (agentrl_fast.train.state) ------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        state = {"policy": self.policy.state_dict(),
-                 "policy_optimizer": self.policy_optimizer.state_dict(),
-                 "policy_scheduler": self.policy_scheduler.state_dict(),
-                 "trainer": {"step": self.step_index, "data_position": self.data_position,
-                             "kl_coef": self.kl_coef},
-                 "rng": rng_state(),
-                 "memory": self.memory.snapshot()}
-        if self.value_head is not None:
-            state["value_head"] = self.value_head.state_dict()
-        if self.critic is not None:
-            state.update(critic=self.critic.state_dict(),
-                         critic_optimizer=self.critic_optimizer.state_dict(),
-                         critic_scheduler=self.critic_scheduler.state_dict())
-        if self.reference is not None:
-            state["reference"] = self.reference.state_dict()
-        return state
-
-    def _sharded_state(self) -> dict[str, Any]:
-        """Models and optimizers as ``torch.distributed.checkpoint`` state dicts (keyed by
-        parameter name; DTensor shards under FSDP) — what a torchrun job's checkpoint holds."""
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                             get_optimizer_state_dict)
-        policy = unwrap(self.policy)
-        state = {"policy": get_model_state_dict(policy),
-                 "policy_optimizer": get_optimizer_state_dict(policy, self.policy_optimizer)}
-        if self.critic is not None:
-            critic = unwrap(self.critic)
-            state.update(critic=get_model_state_dict(critic),
-                         critic_optimizer=get_optimizer_state_dict(critic, self.critic_optimizer))
-        if self.reference is not None:
-            state["reference"] = get_model_state_dict(unwrap(self.reference))
-        return state
-
-    def _plain_state(self) -> dict[str, Any]:
-        """Everything else (rank 0's): schedulers, progress, random streams."""
-        state = {"policy_scheduler": self.policy_scheduler.state_dict(),
-                 "trainer": {"step": self.step_index, "data_position": self.data_position,
-                             "kl_coef": self.kl_coef,
-                             "world_size": self.world.size if self.world is not None else 1},
-                 "rng": rng_state()}
-        if self.critic_scheduler is not None:
-            state["critic_scheduler"] = self.critic_scheduler.state_dict()
-        return state
-
-    def _load_sharded(self, folder) -> None:
-        """Models and optimizers from a torchrun job's checkpoint folder, resharded to this
-        job's ranks (or one process)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
-                                                             set_optimizer_state_dict)
-        target = self._sharded_state()  # this job's layout, filled in place by the load
-        dcp.load(target, checkpoint_id=str(folder))
-        pairs = [(self.policy, "policy", self.policy_optimizer)]
-        if self.critic is not None:
-            pairs.append((self.critic, "critic", self.critic_optimizer))
-        for model, name, optimizer in pairs:
-            set_model_state_dict(unwrap(model), target[name])
-            set_optimizer_state_dict(unwrap(model), optimizer, target[f"{name}_optimizer"])
-        if self.reference is not None:
-            set_model_state_dict(unwrap(self.reference), target["reference"])
+        """Everything a one-process checkpoint holds."""
+        return trainer_state(self)
 
     def load_state(self, state: dict[str, Any]) -> None:
-        if "dcp" in state:  # written by a torchrun job
-            self._load_sharded(state["dcp"])
-            self.policy_scheduler.load_state_dict(state["policy_scheduler"])
-            if self.critic_scheduler is not None:
-                self.critic_scheduler.load_state_dict(state["critic_scheduler"])
-            trainer = state["trainer"]
-            self.step_index, self.data_position = trainer["step"], trainer["data_position"]
-            self.kl_coef = trainer["kl_coef"]
-            set_rng_state(state["rng"])
-            self._refresh_rollout_policy()
-            return
-        if self.world is not None:
-            raise ValueError("this checkpoint was written by one process (no dcp/ folder); a "
-                             "torchrun job resumes from its own checkpoints — resume this one "
-                             "with one process")
-        self.policy.load_state_dict(state["policy"])
-        self.policy_optimizer.load_state_dict(state["policy_optimizer"])
-        self.policy_scheduler.load_state_dict(state["policy_scheduler"])
-        if self.value_head is not None:
-            self.value_head.load_state_dict(state["value_head"])
-        if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
-            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
-            self.critic_scheduler.load_state_dict(state["critic_scheduler"])
-        if self.reference is not None and "reference" in state:
-            self.reference.load_state_dict(state["reference"])
-        trainer = state["trainer"]
-        self.step_index, self.data_position = trainer["step"], trainer["data_position"]
-        self.kl_coef = trainer["kl_coef"]
-        self.memory.restore(state["memory"])
-        set_rng_state(state["rng"])
+        load_trainer_state(self, state)
 
     def export(self, directory: str | Path) -> Path:
-        """``save_pretrained`` exports HF tools can load: ``directory/policy`` (with the
-        tokenizer) and ``directory/critic`` (a token-classification model with one label), or
-        ``directory/value_head.pt`` for a shared-backbone critic."""
-        directory = Path(directory)
-        if self.world is not None:
-            return self._export_distributed(directory)
-        export_pretrained(self.policy, directory / "policy", tokenizer=self.chat_format.tokenizer)
-        if self.critic is not None:
-            export_pretrained(self.critic, directory / "critic")
-        if self.value_head is not None:
-            torch.save(self.value_head.state_dict(), directory / "value_head.pt")
-        return directory
-
-    def _export_distributed(self, directory: Path) -> Path:
-        """:meth:`export` on every rank of a torchrun job; rank 0 writes."""
-        critic = None
-        if self.critic is not None:
-            whole = full_state_dict(self.critic, self.world)  # a collective under FSDP
-            if self.world.is_main:
-                from transformers import AutoModelForTokenClassification
-                critic = AutoModelForTokenClassification.from_config(unwrap(self.critic).config)
-                critic.load_state_dict(whole)
-        error = None
-        if self.world.is_main:
-            try:
-                export_pretrained(self.rollout_policy, directory / "policy",
-                                  tokenizer=self.chat_format.tokenizer)
-                if critic is not None:
-                    export_pretrained(critic, directory / "critic")
-            except Exception as failure:
-                error = failure
-        self.world.check(error, "the export")
-        return directory
+        """``save_pretrained`` exports (:func:`~agentrl_fast.train.state.export_models`)."""
+        return export_models(self, directory)
 
     def save_checkpoint(self) -> Path:
-        if self.world is not None:
-            return save_distributed_checkpoint(
-                self.config.checkpoint_dir, self.step_index, self.world, self._sharded_state(),
-                self._plain_state(), keep=self.config.keep_checkpoints)
-        return save_checkpoint(self.config.checkpoint_dir, self.step_index, self.state(),
-                               keep=self.config.keep_checkpoints)
-
-    def _resume(self) -> None:
-        quiet = self.world is not None and not self.world.is_main
-        found = latest_checkpoint(self.config.checkpoint_dir,
-                                  log=(lambda message: None) if quiet else self.log)
-        if found is None:
-            return
-        path, step, state = found
-        self.load_state(state)
-        self.log(f"resumed from {path} (step {step})")
+        return save_trainer_checkpoint(self)
 
     def train(self, steps: int | None = None, callback=None) -> list[dict[str, float]]:
         """Run until ``steps`` (default ``config.steps``) steps are done; returns the metrics of
