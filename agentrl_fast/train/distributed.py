@@ -36,8 +36,10 @@ dies is noticed by ``torchrun``, which stops the others and exits non-zero namin
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
@@ -45,7 +47,7 @@ import torch.distributed as dist
 
 from agentrl_fast.config.distributed import DistributedConfig
 from agentrl_fast.models.wrappers import unwrap
-from agentrl_fast.train.packing import balanced_partition
+from agentrl_fast.train.packing import balanced_partition, micro_batches
 
 # FSDP2's parameter dtype in forward/backward, per DistributedConfig.mixed_precision
 PARAM_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -93,6 +95,13 @@ class World:
     def maximum(self, values: Sequence[float]) -> list[float]:
         """Element-wise maximum over ranks (float64)."""
         return self._reduce(values, dist.ReduceOp.MAX)
+
+    def summed(self, totals: Counter, maxima: Sequence[str] = ()) -> Counter:
+        """``totals`` summed over ranks (``maxima``: the maximum); the same keys on every rank."""
+        keys = sorted(set().union(*self.all_gather(sorted(totals))))
+        summed = self.sum([totals[k] if k not in maxima else 0.0 for k in keys])
+        top = self.maximum([totals[k] if k in maxima else 0.0 for k in keys])
+        return Counter({k: (top[j] if k in maxima else summed[j]) for j, k in enumerate(keys)})
 
     def _reduce(self, values: Sequence[float], op) -> list[float]:
         tensor = torch.tensor(list(values), dtype=torch.float64, device=self._collective_device)
@@ -173,6 +182,41 @@ class World:
                     tensor.copy_(staged)
                 else:
                     dist.broadcast(tensor.data, src=0)
+
+
+def local_plan(lengths: Sequence[int], indices: Sequence[int], micro_batch_tokens: int,
+               world: World | None) -> list[list[int] | None]:
+    """Micro-batches (under ``micro_batch_tokens``) of this rank's share of ``indices``
+    (``lengths``: every sequence's tokens); on several ranks padded with ``None`` (an empty
+    micro-batch) to the same count on every rank, since each forward of a sharded model, and
+    the last backward of a step, is a collective."""
+    mine = list(indices) if world is None else world.share(indices, [lengths[i] for i in indices])
+    plan: list[list[int] | None] = [
+        [mine[j] for j in group]
+        for group in micro_batches([lengths[i] for i in mine], micro_batch_tokens)]
+    if world is not None:
+        plan += [None] * (int(world.maximum([max(len(plan), 1)])[0]) - len(plan))
+    return plan
+
+
+def empty_batch(device: torch.device) -> tuple:
+    """``(input_ids, position_ids, cu_seqlens, max_seqlen)`` of one 2-token sequence (its
+    second token's outputs depend on every parameter): the forward, and the backward of zero
+    times it, a rank with no work runs to take part in the collectives."""
+    return (torch.zeros(1, 2, dtype=torch.long, device=device),
+            torch.arange(2, device=device).unsqueeze(0),
+            torch.tensor([0, 2], dtype=torch.int32, device=device), 2)
+
+
+def gradient_sync(model: torch.nn.Module, world: World | None, last: bool):
+    """On several ranks: gradients are reduced in the last backward of an optimizer step only
+    (FSDP2 ``set_requires_gradient_sync``, DDP ``no_sync``)."""
+    if world is None:
+        return contextlib.nullcontext()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if last else model.no_sync()
 
 
 def full_state_dict(model: torch.nn.Module, world: World | None) -> dict[str, torch.Tensor]:

@@ -36,8 +36,9 @@ from agentrl_fast.models.wrappers import unwrap
 from agentrl_fast.ops import loss_weights, ppo_loss, value_loss
 from agentrl_fast.seeds import derive_seed
 from agentrl_fast.train.advantages import gae_advantages, grpo_advantages, whiten_per_sub_trace
-from agentrl_fast.train.distributed import World, full_state_dict
-from agentrl_fast.train.packing import micro_batches, pack_sub_traces, rollout_index_map
+from agentrl_fast.train.distributed import (World, empty_batch, full_state_dict, gradient_sync,
+                                            local_plan)
+from agentrl_fast.train.packing import pack_sub_traces, rollout_index_map
 from agentrl_fast.train.state import (export_models, load_trainer_state, resume,
                                       save_trainer_checkpoint, trainer_state)
 
@@ -183,39 +184,17 @@ class Trainer:
 
     # -- packed forward passes ------------------------------------------------------------------
 
-    def _plan(self, sub_traces: Sequence[SubTrace], indices: Sequence[int]) -> list[list[int]]:
-        lengths = [len(sub_traces[i]) for i in indices]
-        return [[indices[j] for j in group]
-                for group in micro_batches(lengths, self.config.micro_batch_tokens)]
-
-    def _share(self, sub_traces: Sequence[SubTrace], indices: Sequence[int]) -> list[int]:
-        """This rank's part of ``indices`` (all of them in one process), split by tokens."""
-        if self.world is None:
-            return list(indices)
-        return self.world.share(indices, [len(sub_traces[i]) for i in indices])
-
     def _local_plan(self, sub_traces, indices) -> list[list[int] | None]:
-        """Micro-batches of this rank's share of ``indices``; on several ranks padded with
-        ``None`` (an empty micro-batch) to the same count on every rank, since each forward of
-        a sharded model, and the last backward of a step, is a collective."""
-        plan: list[list[int] | None] = self._plan(sub_traces, self._share(sub_traces, indices))
-        if self.world is not None:
-            plan += [None] * (int(self.world.maximum([max(len(plan), 1)])[0]) - len(plan))
-        return plan
+        """This rank's micro-batches of ``indices`` (:func:`~agentrl_fast.train.distributed.
+        local_plan`)."""
+        return local_plan([len(s) for s in sub_traces], indices, self.config.micro_batch_tokens,
+                          self.world)
 
     def _on_device(self, sub_traces, group, rollout_index):
         """A micro-batch on the models' device, and ``pick``: per-sub-trace tensors of the
         global batch (on the CPU) -> ``[T]`` on that device."""
         batch = pack_sub_traces(sub_traces, group, rollout_index).to(self.device)
         return batch, lambda per_sequence: batch.gather(per_sequence).to(self.device)
-
-    def _empty_batch(self) -> tuple:
-        """``(input_ids, position_ids, cu_seqlens, max_seqlen)`` of one 2-token sequence (its
-        second token's outputs depend on every parameter): the forward, and the backward of
-        zero times it, a rank with no work runs to take part in the collectives."""
-        return (torch.zeros(1, 2, dtype=torch.long, device=self.device),
-                torch.arange(2, device=self.device).unsqueeze(0),
-                torch.tensor([0, 2], dtype=torch.int32, device=self.device), 2)
 
     @torch.no_grad()
     def _score(self, sub_traces: Sequence[SubTrace], rollout_index):
@@ -230,7 +209,7 @@ class Trainer:
         scored: list[int] = []
         for group in self._local_plan(sub_traces, list(range(n))):
             if group is None:  # take part in the sharded models' collectives
-                inputs = self._empty_batch()
+                inputs = empty_batch(self.device)
                 if self.config.recompute_logprobs or self.value_head is not None:
                     policy_logprobs(self.policy, *inputs, temperature=self.temperature)
                 if self.reference is not None:
@@ -400,7 +379,7 @@ class Trainer:
     def _rank_tokens(self, sub_traces) -> dict[str, float]:
         """Tokens per rank in the scoring split (the same split rule as every mini-batch)."""
         lengths = [len(s) for s in sub_traces]
-        mine = sum(lengths[i] for i in self._share(sub_traces, range(len(sub_traces))))
+        mine = sum(lengths[i] for i in self.world.share(range(len(sub_traces)), lengths))
         loads = self.world.all_gather(mine)
         return {"rank_tokens_min": float(min(loads)), "rank_tokens_max": float(max(loads)),
                 "sub_trace_tokens_max": float(max(lengths, default=0))}
@@ -516,15 +495,15 @@ class Trainer:
         totals: Counter = Counter()
         plan = self._local_plan(sub_traces, indices)
         for position, group in enumerate(plan):
-            with self._gradient_sync(self.policy, last=position == len(plan) - 1):
+            with gradient_sync(self.policy, self.world, last=position == len(plan) - 1):
                 if group is None:  # an empty micro-batch: collectives only, zero gradient
-                    policy_logprobs(self.policy, *self._empty_batch(),
+                    policy_logprobs(self.policy, *empty_batch(self.device),
                                     temperature=self.temperature).sum().mul(0.0).backward()
                     continue
                 self._policy_micro_batch(sub_traces, group, rollout_index, old, ref, advantages,
                                          weights, values, returns, train_policy, totals)
         if self.world is not None:
-            totals = self._summed(totals, maxima=("_ratio_max",))
+            totals = self.world.summed(totals, maxima=("_ratio_max",))
         parameters = [p for group in self.policy_optimizer.param_groups for p in group["params"]]
         norm = _total_norm(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
         self.policy_optimizer.step()
@@ -538,23 +517,6 @@ class Trainer:
             out["value_loss"] = totals["value_loss"]
             out["value_clipfrac"] = totals["_value_clipfrac"] / tokens
         return out
-
-    def _gradient_sync(self, model, last: bool):
-        """On several ranks: gradients are reduced in the last backward of an optimizer step
-        only (FSDP2 ``set_requires_gradient_sync``, DDP ``no_sync``)."""
-        if self.world is None:
-            return contextlib.nullcontext()
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(last)
-            return contextlib.nullcontext()
-        return contextlib.nullcontext() if last else model.no_sync()
-
-    def _summed(self, totals: Counter, maxima: Sequence[str] = ()) -> Counter:
-        """``totals`` summed over ranks (``maxima``: the maximum); the same keys on every rank."""
-        keys = sorted(set().union(*self.world.all_gather(sorted(totals))))
-        summed = self.world.sum([totals[k] if k not in maxima else 0.0 for k in keys])
-        top = self.world.maximum([totals[k] if k in maxima else 0.0 for k in keys])
-        return Counter({k: (top[j] if k in maxima else summed[j]) for j, k in enumerate(keys)})
 
     def _policy_micro_batch(self, sub_traces, group, rollout_index, old, ref, advantages, weights,
                             values, returns, train_policy, totals) -> None:
@@ -602,9 +564,9 @@ class Trainer:
         totals = Counter(loss=0.0, clipped=0.0, tokens=0.0)
         plan = self._local_plan(sub_traces, indices)
         for position, group in enumerate(plan):
-            with self._gradient_sync(self.critic, last=position == len(plan) - 1):
+            with gradient_sync(self.critic, self.world, last=position == len(plan) - 1):
                 if group is None:  # an empty micro-batch: collectives only, zero gradient
-                    critic_values(self.critic, *self._empty_batch())[0].sum().mul(0.0).backward()
+                    critic_values(self.critic, *empty_batch(self.device))[0].sum().mul(0.0).backward()
                     continue
                 batch, pick = self._on_device(sub_traces, group, rollout_index)
                 v, _ = critic_values(self.critic, batch.input_ids, batch.position_ids,
@@ -617,7 +579,7 @@ class Trainer:
                 totals["clipped"] += float(metrics["vf_clipfrac"]) * share
                 totals["tokens"] += share
         if self.world is not None:
-            totals = self._summed(totals)
+            totals = self.world.summed(totals)
         norm = _total_norm(torch.nn.utils.clip_grad_norm_(self.critic.parameters(),
                                                           config.max_grad_norm))
         self.critic_optimizer.step()
