@@ -74,11 +74,6 @@ from agentrl_fast.ops.reference import varlen_attention_reference  # noqa: E402
 from agentrl_fast.ops.varlen_attention import (available_backends, resolve_backend,  # noqa: E402
                                                varlen_attention)
 
-try:  # the Triton backend registers itself on import, when it exists
-    import agentrl_fast.ops.varlen_attention_triton  # noqa: F401,E402
-except ImportError:
-    pass
-
 MIXES = ("uniform", "long-tail", "bimodal")
 MODES = ("fwd", "fwd+bwd")
 FLOP_FACTOR = {"fwd": 1.0, "fwd+bwd": 3.5}  # backward = 2.5x forward

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 import agentrl_fast
+import agentrl_fast.ops  # noqa: F401  (registers the ops and their fakes)
 from agentrl_fast import _native
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,10 +75,10 @@ def test_kernels_package_imports_triton_only():
 
 
 def test_kernels_are_installed_as_agentrl_fast_kernels():
-    import agentrl_fast.kernels.utils as utils
+    import agentrl_fast.kernels.ppo_loss as ppo_loss
 
-    assert Path(utils.__file__).resolve().parent == ROOT / "kernels"
-    assert utils.cdiv(7, 2) == 4
+    assert Path(ppo_loss.__file__).resolve().parent == ROOT / "kernels"
+    assert ppo_loss.__name__ == "agentrl_fast.kernels.ppo_loss" and callable(ppo_loss.aot_specs)
 
 
 def test_version():

@@ -618,7 +618,7 @@ def test_cpu_flash_rejected_on_cuda():
 def test_cpu_flash_buckets_cover_every_token_once(lengths):
     """Every token of every sequence sits in exactly one padded position; a bucket's padding
     stays within CPU_FLASH_PADDING of its real tokens; empty sequences are left out."""
-    from agentrl_fast.ops.varlen_attention import CPU_FLASH_PADDING, _cpu_flash_buckets
+    from agentrl_fast.ops._varlen_attention_cpu import CPU_FLASH_PADDING, _cpu_flash_buckets
     num_tokens, cu = sum(lengths), cu_seqlens_of(lengths)
     seen = []
     for index, valid in _cpu_flash_buckets(cu, num_tokens, torch.device("cpu")):

@@ -1,8 +1,8 @@
 """The ``"triton"`` backend of ``varlen_attention``: launches the kernels of
 ``agentrl_fast.kernels.varlen_attention`` (``kernels/varlen_attention.py``).
 
-Importing this module registers ``Backend("triton", "op", ...)``. Its ``forward`` and
-``backward`` write into the preallocated outputs they are given (``out[T, Hq, D]``,
+``BACKEND`` is ``Backend("triton", "op", ...)``, which ``varlen_attention`` registers. Its
+``forward`` and ``backward`` write into the preallocated outputs they are given (``out[T, Hq, D]``,
 ``lse[Hq, T]`` float32; ``dq``, ``dk``, ``dv``) and allocate only scratch: the tile table and,
 in the backward, ``delta[Hq, T]`` float32.
 
@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from agentrl_fast.ops.varlen_attention import MAX_HEAD_DIM, Backend, register_backend
+from agentrl_fast.ops._attention_backends import MAX_HEAD_DIM, Backend
 
 try:
     import triton
@@ -148,7 +148,8 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic, out,
     if num_tokens == 0:
         return
     q, k, v = (_rows_contiguous(x) for x in (q, k, v))
-    target = out if out.stride(-1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
+    target = (out if out.stride(-1) == 1
+              else torch.empty_like(out, memory_format=torch.contiguous_format))
     if lse.stride(-1) != 1:
         raise ValueError("lse must have a unit stride along its token dimension")
     dtype = _DTYPE_NAMES[q.dtype]
@@ -179,7 +180,8 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, de
         return
     dout, q, k, v, out = (_rows_contiguous(x) for x in (dout, q, k, v, out))
     lse = lse if lse.stride(-1) == 1 else lse.contiguous()
-    targets = [g if g.stride(-1) == 1 else torch.empty_like(g, memory_format=torch.contiguous_format)
+    targets = [g if g.stride(-1) == 1
+               else torch.empty_like(g, memory_format=torch.contiguous_format)
                for g in (dq, dk, dv)]
     dtype = _DTYPE_NAMES[q.dtype]
     padded = kernels.padded_head_dim(head_dim)
@@ -191,7 +193,8 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, de
                                                           config["BLOCK"], causal, by_length=True)
     with _device_guard(q):
         block_t = kernels.PREPROCESS_BLOCK_T
-        kernels.varlen_attention_backward_preprocess_kernel[(triton.cdiv(num_tokens, block_t), num_heads_q)](
+        preprocess_grid = (triton.cdiv(num_tokens, block_t), num_heads_q)
+        kernels.varlen_attention_backward_preprocess_kernel[preprocess_grid](
             out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
             delta.stride(0), num_tokens, head_dim, BLOCK_T=block_t,
             BLOCK_D=kernels.PREPROCESS_BLOCK_D, num_warps=4, num_stages=1)
@@ -210,5 +213,5 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, de
             grad.copy_(target)
 
 
-register_backend(Backend("triton", "op", _unavailable, forward=_forward, backward=_backward,
-                         unsupported=_unsupported))
+BACKEND = Backend("triton", "op", _unavailable, forward=_forward, backward=_backward,
+                  unsupported=_unsupported)

@@ -19,7 +19,7 @@ import math
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -39,15 +39,10 @@ from agentrl_fast.train.advantages import gae_advantages, grpo_advantages, white
 from agentrl_fast.train.distributed import (World, empty_batch, full_state_dict, gradient_sync,
                                             local_plan)
 from agentrl_fast.train.packing import pack_sub_traces, rollout_index_map
+from agentrl_fast.train.scoring import Models, policy_scores, score
 from agentrl_fast.train.state import (export_models, load_trainer_state, resume,
                                       save_trainer_checkpoint, trainer_state)
 
-
-
-def _values_without_grad(critic, inputs):
-    """``critic_values`` on the CPU, out of autograd (grad mode is per thread)."""
-    with torch.no_grad():
-        return tuple(x.cpu() for x in critic_values(critic, *inputs))
 
 
 def _total_norm(norm) -> float:
@@ -196,74 +191,9 @@ class Trainer:
         batch = pack_sub_traces(sub_traces, group, rollout_index).to(self.device)
         return batch, lambda per_sequence: batch.gather(per_sequence).to(self.device)
 
-    @torch.no_grad()
-    def _score(self, sub_traces: Sequence[SubTrace], rollout_index):
-        """Per sub-trace: old log-probs, reference log-probs, values, last values (on several
-        ranks each scores its share, then all of them are gathered)."""
-        for model in (self.policy, self.critic, self.reference, self.value_head):
-            if model is not None:
-                model.eval()  # targets without dropout noise
-        n = len(sub_traces)
-        old, ref, values = [None] * n, [None] * n, [None] * n
-        last = torch.zeros(n)
-        scored: list[int] = []
-        for group in self._local_plan(sub_traces, list(range(n))):
-            if group is None:  # take part in the sharded models' collectives
-                inputs = empty_batch(self.device)
-                if self.config.recompute_logprobs or self.value_head is not None:
-                    policy_logprobs(self.policy, *inputs, temperature=self.temperature)
-                if self.reference is not None:
-                    policy_logprobs(self.reference, *inputs, temperature=self.temperature)
-                if self.critic is not None:
-                    critic_values(self.critic, *inputs)
-                continue
-            scored += group
-            batch = pack_sub_traces(sub_traces, group, rollout_index).to(self.device)
-            inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
-            # Results are kept on the CPU (advantages are computed there, ranks gather them).
-            # The critic scores beside the policy only when the policy has scoring to do.
-            policy_scores = (self.config.recompute_logprobs or self.value_head is not None
-                             or self.reference is not None)
-            with self._beside(self.critic is not None and policy_scores) as beside:
-                critic_job = beside(_values_without_grad, self.critic, inputs) \
-                    if self.critic is not None else None
-                self._score_policy(group, batch, inputs, old, ref, values, last)
-                if critic_job is not None:
-                    v, v_last = critic_job()
-                    for k, (i, vi) in enumerate(zip(group, batch.split(v))):
-                        values[i], last[i] = vi, v_last[k]
-        if self.world is not None:
-            for part in self.world.all_gather({i: (old[i], ref[i], values[i], float(last[i]))
-                                               for i in scored}):
-                for i, (o, r, v, lv) in part.items():
-                    old[i], ref[i], values[i], last[i] = o, r, v, lv
-        if not self.config.recompute_logprobs:
-            old = [torch.tensor(s.logprobs, dtype=torch.float32) for s in sub_traces]
-        return old, ref, values, last
-
-    @torch.no_grad()
-    def _score_policy(self, group, batch, inputs, old, ref, values, last) -> None:
-        """Old (and reference) log-probs of a packed group; with a shared head, its values."""
-        mask = batch.action_mask  # no loss reads the other tokens' log-probs
-        if self.value_head is not None:
-            logp, hidden = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
-                                           return_hidden=True, token_mask=mask)
-            v, v_last = (x.cpu() for x in self.value_head(hidden, batch.cu_seqlens))
-            for k, (i, vi) in enumerate(zip(group, batch.split(v))):
-                values[i], last[i] = vi, v_last[k]
-        elif self.config.recompute_logprobs:
-            logp = policy_logprobs(self.policy, *inputs, temperature=self.temperature,
-                                   token_mask=mask)
-        else:
-            logp = None  # the rollout's log-probs stand in (``_score``)
-        if logp is not None:
-            for i, lp in zip(group, batch.split(logp.cpu())):
-                old[i] = lp
-        if self.reference is not None:
-            for i, lp in zip(group, batch.split(policy_logprobs(
-                    self.reference, *inputs, temperature=self.temperature,
-                    token_mask=mask).cpu())):
-                ref[i] = lp
+    @property
+    def models(self) -> Models:
+        return Models(self.policy, self.critic, self.reference, self.value_head)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -305,7 +235,12 @@ class Trainer:
         """Score, advantages, update and KL control on one batch of whole rollouts."""
         config, metrics = self.config, {}
         rollout_index = rollout_index_map(sub_traces)
-        old, ref, values, last = self._score(sub_traces, rollout_index)
+        with self._beside(self.critic is not None and policy_scores(self.models, config)) as beside:
+            old, ref, values, last = score(
+                self.models, sub_traces, rollout_index, self._local_plan(sub_traces,
+                                                                         range(len(sub_traces))),
+                device=self.device, temperature=self.temperature,
+                recompute_logprobs=config.recompute_logprobs, world=self.world, beside=beside)
         if self.world is not None:
             metrics.update(self._rank_tokens(sub_traces))
         if config.recompute_logprobs:
