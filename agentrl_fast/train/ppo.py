@@ -1,9 +1,12 @@
 """The training loop: token-level PPO with a critic on packed sub-traces (GAE bootstrapped
 across them), and GRPO as the baseline. Reads top to bottom in :meth:`Trainer.step`:
 
-rollouts -> old log-probs, values, reference log-probs on packed micro-batches -> advantages ->
+rollouts -> old log-probs, values, reference log-probs on packed micro-batches
+(:mod:`~agentrl_fast.train.scoring`) -> advantages (:mod:`~agentrl_fast.train.advantages`) ->
 K epochs x mini-batches of ``ppo_loss`` / ``value_loss`` with ``loss_weights`` of the
-mini-batch -> gradient clipping, AdamW, warmup/decay -> KL controller -> metrics.
+mini-batch, gradient clipping, AdamW (:mod:`~agentrl_fast.train.update`) -> warmup/decay -> KL
+controller -> metrics. Checkpoints and exports: :mod:`~agentrl_fast.train.state`; the ranks'
+collectives: :mod:`~agentrl_fast.train.distributed`.
 
 Determinism on the CPU: episode seeds derive from (seed, task id, sample index) in the rollout
 engine, the task order and mini-batch order from ``seed``, micro-batching is a function of the
@@ -31,23 +34,18 @@ from agentrl_fast.harness.memory import MemoryStore
 from agentrl_fast.harness.rollout import RolloutEngine, rollout_metrics
 from agentrl_fast.harness.trajectory import SubTrace, Trajectory
 from agentrl_fast.models.attention import use_packed_attention
-from agentrl_fast.models.critic import ValueHead, critic_values, make_critic, policy_logprobs
+from agentrl_fast.models.critic import ValueHead, make_critic
 from agentrl_fast.models.wrappers import unwrap
-from agentrl_fast.ops import loss_weights, ppo_loss, value_loss
 from agentrl_fast.seeds import derive_seed
 from agentrl_fast.train.advantages import gae_advantages, grpo_advantages, whiten_per_sub_trace
-from agentrl_fast.train.distributed import (World, empty_batch, full_state_dict, gradient_sync,
-                                            local_plan)
-from agentrl_fast.train.packing import pack_sub_traces, rollout_index_map
+from agentrl_fast.train.distributed import World, full_state_dict, local_plan
+from agentrl_fast.train.packing import rollout_index_map
 from agentrl_fast.train.scoring import Models, policy_scores, score
 from agentrl_fast.train.state import (export_models, load_trainer_state, resume,
                                       save_trainer_checkpoint, trainer_state)
+from agentrl_fast.train.update import (UpdateContext, adapted_kl_coef, critic_update,
+                                       policy_update)
 
-
-
-def _total_norm(norm) -> float:
-    """``clip_grad_norm_``'s result as a float (a DTensor under FSDP2)."""
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def _lr_lambda(config: TrainConfig):
@@ -83,7 +81,8 @@ class Trainer:
                  environment: Environment, config: TrainConfig,
                  critic: torch.nn.Module | None = None, reference: torch.nn.Module | None = None,
                  memory: MemoryStore | None = None, log=print, world: World | None = None):
-        self.config, self.chat_format, self.environment, self.log = config, chat_format, environment, log
+        self.config, self.chat_format = config, chat_format
+        self.environment, self.log = environment, log
         if config.checkpoint_every and not config.checkpoint_dir:
             # Checked here, not in TrainConfig: a run config leaves the folder to the run.
             raise ValueError("checkpoint_every needs checkpoint_dir")
@@ -99,9 +98,9 @@ class Trainer:
                 raise ValueError("critic='shared' runs on one process only; use critic='separate' "
                                  "under torchrun")
             if config.rollout.memory_scope != "rollout":
-                raise ValueError(f"rollout.memory_scope={config.rollout.memory_scope!r} keeps memory "
-                                 "across rollouts in one process; under torchrun each rank has its "
-                                 "own, so use memory_scope='rollout'")
+                raise ValueError(f"rollout.memory_scope={config.rollout.memory_scope!r} keeps "
+                                 "memory across rollouts in one process; under torchrun each rank "
+                                 "has its own, so use memory_scope='rollout'")
         self.value_head = None
         if shared:
             parameter = next(policy.parameters())
@@ -185,11 +184,20 @@ class Trainer:
         return local_plan([len(s) for s in sub_traces], indices, self.config.micro_batch_tokens,
                           self.world)
 
-    def _on_device(self, sub_traces, group, rollout_index):
-        """A micro-batch on the models' device, and ``pick``: per-sub-trace tensors of the
-        global batch (on the CPU) -> ``[T]`` on that device."""
-        batch = pack_sub_traces(sub_traces, group, rollout_index).to(self.device)
-        return batch, lambda per_sequence: batch.gather(per_sequence).to(self.device)
+    def _context(self) -> UpdateContext:
+        return UpdateContext(self.config, self.device, self.temperature, self.kl_coef, self.world,
+                             lambda sub_traces, indices: self._local_plan(sub_traces, indices))
+
+    def _score(self, sub_traces, rollout_index):
+        """(old, ref, values, last) of the batch (:func:`~agentrl_fast.train.scoring.score`),
+        the critic beside the policy."""
+        overlap = self.critic is not None and policy_scores(self.models, self.config)
+        with self._beside(overlap) as beside:
+            return score(self.models, sub_traces, rollout_index,
+                         self._local_plan(sub_traces, range(len(sub_traces))), device=self.device,
+                         temperature=self.temperature,
+                         recompute_logprobs=self.config.recompute_logprobs, world=self.world,
+                         beside=beside)
 
     @property
     def models(self) -> Models:
@@ -235,12 +243,7 @@ class Trainer:
         """Score, advantages, update and KL control on one batch of whole rollouts."""
         config, metrics = self.config, {}
         rollout_index = rollout_index_map(sub_traces)
-        with self._beside(self.critic is not None and policy_scores(self.models, config)) as beside:
-            old, ref, values, last = score(
-                self.models, sub_traces, rollout_index, self._local_plan(sub_traces,
-                                                                         range(len(sub_traces))),
-                device=self.device, temperature=self.temperature,
-                recompute_logprobs=config.recompute_logprobs, world=self.world, beside=beside)
+        old, ref, values, last = self._score(sub_traces, rollout_index)
         if self.world is not None:
             metrics.update(self._rank_tokens(sub_traces))
         if config.recompute_logprobs:
@@ -271,7 +274,8 @@ class Trainer:
         metrics.update(self._update(sub_traces, rollout_index, old, ref, values, advantages,
                                     returns))
         if self.step_index >= config.critic_warmup_steps:  # the policy moved
-            self._control_kl(metrics.get("kl_ref"), episodes=len(trajectories))
+            self.kl_coef = adapted_kl_coef(self.kl_coef, metrics.get("kl_ref"),
+                                           len(trajectories), config)
         return metrics
 
     def step(self) -> dict[str, float]:
@@ -354,16 +358,19 @@ class Trainer:
                 run_policy = epoch < config.epochs
                 run_critic = self.critic is not None and epoch < critic_epochs
                 with self._beside(run_policy and run_critic) as beside:
-                    critic_job = beside(self._critic_update, sub_traces, indices, rollout_index,
+                    critic_job = beside(critic_update, self.critic, self.critic_optimizer,
+                                        self._context(), sub_traces, indices, rollout_index,
                                         values, returns) if run_critic else None
                     policy_metrics = None
                     if run_policy and self.value_head is not None:  # one backward for both
-                        policy_metrics = self._policy_update(sub_traces, indices, rollout_index,
-                                                             old, ref, advantages, values,
-                                                             returns, train_policy)
+                        policy_metrics = policy_update(
+                            self.models, self.policy_optimizer, self._context(), sub_traces,
+                            indices, rollout_index, old, ref, advantages, values, returns,
+                            train_policy)
                     elif run_policy and train_policy:
-                        policy_metrics = self._policy_update(sub_traces, indices, rollout_index,
-                                                             old, ref, advantages)
+                        policy_metrics = policy_update(
+                            self.models, self.policy_optimizer, self._context(), sub_traces,
+                            indices, rollout_index, old, ref, advantages)
                     critic_metrics = critic_job() if critic_job is not None else None
                 policy_updates += run_policy
                 if policy_metrics is not None:
@@ -411,125 +418,6 @@ class Trainer:
         finally:
             concurrent.futures.wait(jobs)  # never leave a job running on a model (on errors too)
             torch.set_num_threads(threads)
-
-    def _weights(self, sub_traces, indices, rollout_index) -> list[torch.Tensor]:
-        """``loss_weights`` of the mini-batch, split per sub-trace."""
-        whole = pack_sub_traces(sub_traces, indices, rollout_index)
-        weights = loss_weights(self.config.loss_aggregation, whole.action_mask, whole.cu_seqlens,
-                               whole.rollout_index, self.config.loss_norm_constant)
-        return dict(zip(indices, whole.split(weights)))
-
-    def _policy_update(self, sub_traces, indices, rollout_index, old, ref, advantages,
-                       values=None, returns=None, train_policy=True):
-        """One optimizer step of the policy (and, when shared, of the value head: the loss is
-        ``pg + value_coef * value loss``, the pg term dropped during critic warmup)."""
-        config = self.config
-        self.policy.train()
-        weights = self._weights(sub_traces, indices, rollout_index)
-        self.policy_optimizer.zero_grad(set_to_none=True)
-        totals: Counter = Counter()
-        plan = self._local_plan(sub_traces, indices)
-        for position, group in enumerate(plan):
-            with gradient_sync(self.policy, self.world, last=position == len(plan) - 1):
-                if group is None:  # an empty micro-batch: collectives only, zero gradient
-                    policy_logprobs(self.policy, *empty_batch(self.device),
-                                    temperature=self.temperature).sum().mul(0.0).backward()
-                    continue
-                self._policy_micro_batch(sub_traces, group, rollout_index, old, ref, advantages,
-                                         weights, values, returns, train_policy, totals)
-        if self.world is not None:
-            totals = self.world.summed(totals, maxima=("_ratio_max",))
-        parameters = [p for group in self.policy_optimizer.param_groups for p in group["params"]]
-        norm = _total_norm(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
-        self.policy_optimizer.step()
-        tokens = max(totals.pop("_action_tokens"), 1)
-        out = Counter({"policy_loss": totals["policy_loss"], "policy_grad_norm": norm,
-                       "ratio_max": totals["_ratio_max"]})
-        for key in ("clipfrac", "approx_kl", "entropy"):
-            if f"_{key}" in totals:
-                out[key] = totals[f"_{key}"] / tokens
-        if self.value_head is not None:
-            out["value_loss"] = totals["value_loss"]
-            out["value_clipfrac"] = totals["_value_clipfrac"] / tokens
-        return out
-
-    def _policy_micro_batch(self, sub_traces, group, rollout_index, old, ref, advantages, weights,
-                            values, returns, train_policy, totals) -> None:
-        config = self.config
-        batch, pick = self._on_device(sub_traces, group, rollout_index)
-        shared = self.value_head is not None
-        logp, entropy, *hidden = policy_logprobs(
-            self.policy, batch.input_ids, batch.position_ids, batch.cu_seqlens,
-            batch.max_seqlen, temperature=self.temperature, return_entropy=True,
-            return_hidden=shared, token_mask=batch.action_mask)
-        use_ref = self.reference is not None and config.kl_mode == "loss"
-        loss, metrics = ppo_loss(
-            logp, pick(old), pick(advantages), batch.action_mask,
-            token_weights=pick(weights), clip_low=config.clip_low, clip_high=config.clip_high,
-            dual_clip=config.dual_clip, ref_logprobs=pick(ref) if use_ref else None,
-            kl_coef=self.kl_coef if use_ref else 0.0, kl_estimator=config.kl_estimator,
-            entropy=entropy, entropy_coef=config.entropy_coef,
-            rollout_logprobs=batch.rollout_logprobs if config.tis_cap else None,
-            tis_cap=config.tis_cap)
-        total = loss if train_policy else loss * 0.0
-        if self.world is not None:  # the reduction averages over ranks; the loss is a sum
-            total = total * self.world.size
-        if shared:
-            v, _ = self.value_head(hidden[0], batch.cu_seqlens)
-            vloss, vmetrics = value_loss(v, pick(values), pick(returns), batch.action_mask,
-                                         clip=config.value_clip, token_weights=pick(weights))
-            total = total + config.value_coef * vloss
-            totals["value_loss"] += vloss.item()
-            totals["_value_clipfrac"] += float(vmetrics["vf_clipfrac"]) * batch.action_mask.sum().item()
-        total.backward()
-        share = batch.action_mask.sum().item()
-        totals["policy_loss"] += loss.item()
-        per_token = {"clipfrac": metrics["pg_clipfrac_upper"] + metrics["pg_clipfrac_lower"],
-                     "approx_kl": metrics["approx_kl"], "entropy": metrics["entropy_mean"]}
-        for key, value in per_token.items():
-            totals[f"_{key}"] += float(value) * share
-        totals["_ratio_max"] = max(totals["_ratio_max"], float(metrics["ratio_max"]))
-        totals["_action_tokens"] += share
-
-    def _critic_update(self, sub_traces, indices, rollout_index, values, returns):
-        config = self.config
-        self.critic.train()
-        weights = self._weights(sub_traces, indices, rollout_index)
-        self.critic_optimizer.zero_grad(set_to_none=True)
-        totals = Counter(loss=0.0, clipped=0.0, tokens=0.0)
-        plan = self._local_plan(sub_traces, indices)
-        for position, group in enumerate(plan):
-            with gradient_sync(self.critic, self.world, last=position == len(plan) - 1):
-                if group is None:  # an empty micro-batch: collectives only, zero gradient
-                    critic_values(self.critic, *empty_batch(self.device))[0].sum().mul(0.0).backward()
-                    continue
-                batch, pick = self._on_device(sub_traces, group, rollout_index)
-                v, _ = critic_values(self.critic, batch.input_ids, batch.position_ids,
-                                     batch.cu_seqlens, batch.max_seqlen)
-                loss, metrics = value_loss(v, pick(values), pick(returns), batch.action_mask,
-                                           clip=config.value_clip, token_weights=pick(weights))
-                (loss * (self.world.size if self.world is not None else 1)).backward()
-                share = int(batch.action_mask.sum())
-                totals["loss"] += loss.item()
-                totals["clipped"] += float(metrics["vf_clipfrac"]) * share
-                totals["tokens"] += share
-        if self.world is not None:
-            totals = self.world.summed(totals)
-        norm = _total_norm(torch.nn.utils.clip_grad_norm_(self.critic.parameters(),
-                                                          config.max_grad_norm))
-        self.critic_optimizer.step()
-        return Counter({"value_loss": totals["loss"],
-                        "value_clipfrac": totals["clipped"] / max(totals["tokens"], 1),
-                        "critic_grad_norm": norm})
-
-    def _control_kl(self, kl: float | None, episodes: int) -> None:
-        """Adaptive KL coefficient (Ziegler et al.): move towards ``kl_target``, by the batch's
-        number of episodes over ``kl_horizon``."""
-        config = self.config
-        if config.kl_target is None or kl is None or self.kl_coef == 0:
-            return
-        error = max(min(kl / config.kl_target - 1.0, 0.2), -0.2)
-        self.kl_coef *= 1.0 + error * episodes / config.kl_horizon
 
     # -- checkpoints (agentrl_fast.train.state) ------------------------------------------------
 

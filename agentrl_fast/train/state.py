@@ -157,7 +157,8 @@ def _export_distributed(trainer, directory: Path) -> Path:
 def save_trainer_checkpoint(trainer) -> Path:
     if trainer.world is not None:
         return save_distributed_checkpoint(
-            trainer.config.checkpoint_dir, trainer.step_index, trainer.world, sharded_state(trainer),
+            trainer.config.checkpoint_dir, trainer.step_index, trainer.world,
+            sharded_state(trainer),
             plain_state(trainer), keep=trainer.config.keep_checkpoints)
     return save_checkpoint(trainer.config.checkpoint_dir, trainer.step_index, trainer.state(),
                            keep=trainer.config.keep_checkpoints)
