@@ -18,6 +18,7 @@ import torch
 
 from agentrl_fast.harness.memory import MemoryStore
 from agentrl_fast.train import checkpoint as ckpt
+from agentrl_fast.train import durable
 from agentrl_fast.train.checkpoint import (CheckpointError, export_pretrained, latest_checkpoint,
                                            load_checkpoint, rng_state, save_checkpoint,
                                            set_rng_state)
@@ -347,7 +348,7 @@ def test_keep_prunes_older_checkpoints(tmp_path):
 @pytest.mark.parametrize("how", ["exchange", "rename_aside"])
 def test_resaving_a_step_replaces_it(tmp_path, monkeypatch, how):
     if how == "rename_aside":
-        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(durable, "_exchange", lambda a, b: False)  # no renameat2
     save_checkpoint(tmp_path, 3, small_state(3))
     old = save_checkpoint(tmp_path, 5, {"weights": torch.zeros(10), "extra": [1, 2]})
     new = save_checkpoint(tmp_path, 5, small_state(5))

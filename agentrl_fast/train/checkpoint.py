@@ -50,8 +50,6 @@ so Hugging Face tools can load the policy and critic. One writer per checkpoint 
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import hashlib
 import inspect
 import json
@@ -59,15 +57,16 @@ import math
 import os
 import random
 import re
-import shutil
-import sys
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from agentrl_fast.train.durable import (clean_stale_tmp, done_tmp_dir, fsync_and_hash, fsync_dir,
+                                        fsync_tree, install, new_tmp_dir, remove,
+                                        remove_atomically, sha256_file)
 
 __all__ = ["CheckpointError", "save_checkpoint", "save_distributed_checkpoint",
            "load_checkpoint", "latest_checkpoint", "export_pretrained", "rng_state",
@@ -79,15 +78,8 @@ _READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 _EXTENSIONS = {"torch": ".pt", "bytes": ".bin", "json": ".json", "dcp": ""}
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_TMP_PREFIX = ".tmp-"
-_TMP_PID = re.compile(r"-(\d+)$")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_CHUNK = 1 << 20
-
-# Temporary directories this process is writing right now (never cleaned as stale).
-_IN_PROGRESS: set[Path] = set()
-_IN_PROGRESS_LOCK = threading.Lock()
 
 
 class CheckpointError(ValueError):
@@ -195,151 +187,6 @@ def _plan(state) -> list[tuple[str, str, Any]]:
     return plan
 
 
-# ---------------------------------------------------------------------------------------------
-# Files, fsync and atomic directory installation.
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_and_hash(path: Path) -> tuple[int, str]:
-    """Flush a written file to disk; return its size and sha256 (read back from the file)."""
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _remove(path: Path) -> None:
-    """Delete a file or directory tree; a missing one is fine."""
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def _remove_atomically(path: Path) -> None:
-    """Take ``path`` out of the visible names in one rename, then delete it."""
-    doomed = path.with_name(f"{_TMP_PREFIX}deleting-{path.name}-{os.getpid()}")
-    try:
-        os.rename(path, doomed)
-    except FileNotFoundError:
-        return
-    _remove(doomed)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two existing paths (Linux ``renameat2``); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                          ctypes.c_uint]
-    renameat2.restype = ctypes.c_int
-    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
-
-
-def _install(tmp: Path, final: Path) -> None:
-    """Give the complete directory ``tmp`` the name ``final``, replacing any existing one."""
-    parent = final.parent
-    if not os.path.lexists(final):
-        try:
-            os.rename(tmp, final)
-            _fsync_dir(parent)
-            return
-        except OSError as error:  # appeared meanwhile (non-empty): replace it below
-            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
-                raise
-    if _exchange(tmp, final):  # the new one is in place; ``tmp`` now holds the old one
-        _fsync_dir(parent)
-        _remove(tmp)
-        return
-    aside = parent / f"{_TMP_PREFIX}replaced-{final.name}-{os.getpid()}"
-    _remove(aside)
-    os.rename(final, aside)
-    os.rename(tmp, final)
-    _fsync_dir(parent)
-    _remove(aside)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
-
-
-def _new_tmp_dir(parent: Path, final_name: str) -> Path:
-    tmp = parent / f"{_TMP_PREFIX}{final_name}-{os.getpid()}"
-    _remove(tmp)  # a leftover of this pid (an earlier process with the same pid, or a failure)
-    tmp.mkdir()
-    with _IN_PROGRESS_LOCK:
-        _IN_PROGRESS.add(tmp)
-    return tmp
-
-
-def _done_tmp_dir(tmp: Path) -> None:
-    with _IN_PROGRESS_LOCK:
-        _IN_PROGRESS.discard(tmp)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    except OSError:
-        return True
-    return True
-
-
-def _clean_stale_tmp(directory: Path) -> None:
-    """Delete ``.tmp-*`` leftovers of dead processes (and of this pid, unless being written)."""
-    me = os.getpid()
-    for path in directory.iterdir():
-        if not path.name.startswith(_TMP_PREFIX):
-            continue
-        match = _TMP_PID.search(path.name)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        with _IN_PROGRESS_LOCK:
-            busy = path in _IN_PROGRESS
-        if busy or (pid != me and _pid_alive(pid)):
-            continue
-        _remove(path)
-
-
 def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
     """(step, path) of every ``step-*`` entry, newest first."""
     found = []
@@ -378,10 +225,10 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: Mapping[str,
     try:
         _publish(tmp, final, step, _write_entries(tmp, plan))
     except BaseException:
-        _remove(tmp)
+        remove(tmp)
         raise
     finally:
-        _done_tmp_dir(tmp)
+        done_tmp_dir(tmp)
     _prune(directory, final, keep)
     return final
 
@@ -424,9 +271,9 @@ def save_distributed_checkpoint(directory: str | os.PathLike, step: int, world,
             _publish(tmp, final, step, entries)
         except Exception as failure:
             error = failure
-            _remove(tmp)
+            remove(tmp)
         finally:
-            _done_tmp_dir(tmp)
+            done_tmp_dir(tmp)
         if error is None:
             _prune(directory, final, keep)
     world.check(error, "writing the checkpoint")
@@ -448,7 +295,7 @@ def _start(directory: Path, step: int) -> tuple[Path, Path]:
     if not directory.is_dir():
         raise ValueError(f"directory {directory} is not a directory")
     final = directory / _step_name(step)
-    return final, _new_tmp_dir(directory, final.name)
+    return final, new_tmp_dir(directory, final.name)
 
 
 def _write_entries(tmp: Path, plan) -> dict:
@@ -463,7 +310,7 @@ def _write_entries(tmp: Path, plan) -> dict:
         else:
             path.write_bytes(json.dumps(value, ensure_ascii=False, allow_nan=False,
                                         indent=1).encode("utf-8"))
-        size, sha256 = _fsync_and_hash(path)
+        size, sha256 = fsync_and_hash(path)
         entries[name] = {"file": file, "kind": kind, "size": size, "sha256": sha256}
     return entries
 
@@ -473,10 +320,10 @@ def _folder_entry(folder: Path) -> dict:
     entry's own size and sha256 are the total and the digest of that listing."""
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        size, sha256 = _fsync_and_hash(path)
+        size, sha256 = fsync_and_hash(path)
         files[path.relative_to(folder).as_posix()] = {"size": size, "sha256": sha256}
     for sub in sorted({folder, *(p for p in folder.rglob("*") if p.is_dir())}):
-        _fsync_dir(sub)
+        fsync_dir(sub)
     return {"file": folder.name, "kind": "dcp", "size": sum(f["size"] for f in files.values()),
             "sha256": _listing_digest(files), "files": files}
 
@@ -490,17 +337,17 @@ def _publish(tmp: Path, final: Path, step: int, entries: dict) -> None:
     body = {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "entries": entries}
     manifest = dict(body, manifest_sha256=_manifest_digest(body))
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    _fsync_and_hash(tmp / MANIFEST)
-    _fsync_dir(tmp)
-    _install(tmp, final)
+    fsync_and_hash(tmp / MANIFEST)
+    fsync_dir(tmp)
+    install(tmp, final)
 
 
 def _prune(directory: Path, final: Path, keep: int | None) -> None:
     if keep is not None:
         older = [path for s, path in _step_dirs(directory) if path != final]
         for path in older[keep - 1:]:
-            _remove_atomically(path)
-    _clean_stale_tmp(directory)
+            remove_atomically(path)
+    clean_stale_tmp(directory)
 
 
 def _read_manifest(path: Path) -> dict:
@@ -599,7 +446,7 @@ def _verify(path: Path) -> dict:
                                         f"damaged or partially written)")
     for file, entry in checked:
         try:
-            sha256 = _sha256_file(path / file)
+            sha256 = sha256_file(path / file)
         except OSError as error:
             raise CheckpointError(path, f"{file}: unreadable ({error})") from None
         if sha256 != entry["sha256"]:
@@ -685,7 +532,7 @@ def export_pretrained(model, directory: str | os.PathLike, tokenizer=None) -> Pa
                         f"{type(tokenizer).__name__}")
     directory = _as_path("directory", directory).absolute()
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_tmp_dir(directory.parent, directory.name)
+    tmp = new_tmp_dir(directory.parent, directory.name)
     try:
         kwargs = {}
         try:
@@ -699,13 +546,13 @@ def export_pretrained(model, directory: str | os.PathLike, tokenizer=None) -> Pa
                              f"into {tmp}; export needs a model that saves safetensors")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _fsync_tree(tmp)
-        _install(tmp, directory)
+        fsync_tree(tmp)
+        install(tmp, directory)
     except BaseException:
-        _remove(tmp)
+        remove(tmp)
         raise
     finally:
-        _done_tmp_dir(tmp)
+        done_tmp_dir(tmp)
     return directory
 
 
