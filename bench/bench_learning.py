@@ -121,7 +121,9 @@ def main(argv=None) -> int:
     for number, variant in enumerate(variants):
         config = apply_overrides(base, [v for v in variant.split(",") if v])
         trainer = Trainer(copy.deepcopy(policy), chat, environment,
-                          dataclasses.replace(config.train, steps=args.steps),
+                          # no checkpoints here (the main job's train config makes them)
+                          dataclasses.replace(config.train, steps=args.steps,
+                                              checkpoint_every=0),
                           log=lambda *a: None)
         start, curve = time.perf_counter(), []
         while trainer.step_index < args.steps:
