@@ -3,9 +3,10 @@ process (compiling every Triton kernel, the interpreter suites, nvcc).
 
 Such a test module defines ``background_command(params: dict) -> Command | None`` (``params``:
 the test's parametrization). The conftest starts one child per selected test at the lowest CPU
-priority (``nice 19``), so it runs on whatever CPU the other tests leave idle, and moves those
-tests to the end of the run; the test then takes its child's result with the fixture
-``background_result()``. Every assertion stays in the test; only the start moves earlier.
+priority (``nice 19``; ``Command.nice`` may ask for more), so it runs on whatever CPU the other
+tests leave idle, and moves those tests to the end of the run; the test then takes its child's
+result with the fixture ``background_result()``. Every assertion stays in the test; only the
+start moves earlier.
 """
 
 import os
@@ -28,6 +29,9 @@ class Command:
     cwd: str
     env: dict | None = None
     timeout: float = 600.0
+    # 19: only idle CPU. A long single-threaded child gets less (e.g. 5), so it is not the
+    # last thing running, on one core, after the other tests end.
+    nice: int = 19
 
 
 @dataclass
@@ -47,8 +51,9 @@ class Background:
         # new scheduler autogroup, which would share the CPU equally with this one whatever
         # its nice value.
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
-        process = subprocess.Popen(["nice", "-n", "19", *command.argv], cwd=command.cwd,
-                                   env=command.env, stdout=stdout, stderr=stderr, **group)
+        process = subprocess.Popen(["nice", "-n", str(command.nice), *command.argv],
+                                   cwd=command.cwd, env=command.env, stdout=stdout,
+                                   stderr=stderr, **group)
         return cls(command, process, stdout, stderr)
 
     def result(self) -> subprocess.CompletedProcess:
