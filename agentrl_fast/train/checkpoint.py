@@ -1,4 +1,5 @@
-"""Atomic, verified training checkpoints, and atomic Hugging Face exports.
+"""Atomic, verified training checkpoints (the Hugging Face exports: :mod:`.export`; the
+durable file operations both use: :mod:`.durable`).
 
 The trainer decides what a checkpoint holds; this module writes it so that a crash never leaves a
 checkpoint that could be mistaken for a good one, and reads it back only after checking it.
@@ -43,15 +44,13 @@ naming the checkpoint, the file and what is wrong. :func:`latest_checkpoint` ret
 checkpoint that passes, logging one message per skipped (partial or corrupt) checkpoint.
 
 Also here: :func:`rng_state` / :func:`set_rng_state` (Python ``random``, NumPy's global
-generator, torch CPU and CUDA) so a resumed run continues the same random streams, and
-:func:`export_pretrained` (``save_pretrained`` into a temporary directory, then an atomic rename)
-so Hugging Face tools can load the policy and critic. One writer per checkpoint directory.
+generator, torch CPU and CUDA) so a resumed run continues the same random streams. One writer
+per checkpoint directory.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -64,9 +63,10 @@ from typing import Any
 
 import torch
 
-from agentrl_fast.train.durable import (clean_stale_tmp, done_tmp_dir, fsync_and_hash, fsync_dir,
-                                        fsync_tree, install, new_tmp_dir, remove,
+from agentrl_fast.train.durable import (as_path, clean_stale_tmp, done_tmp_dir, fsync_and_hash,
+                                        fsync_dir, install, new_tmp_dir, remove,
                                         remove_atomically, sha256_file)
+from agentrl_fast.train.export import export_pretrained  # noqa: F401  (its old home)
 
 __all__ = ["CheckpointError", "save_checkpoint", "save_distributed_checkpoint",
            "load_checkpoint", "latest_checkpoint", "export_pretrained", "rng_state",
@@ -95,15 +95,6 @@ class CheckpointError(ValueError):
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks.
-
-
-def _as_path(what: str, value) -> Path:
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{what} must be a str or os.PathLike, got {type(value).__name__}")
-    path = Path(value)
-    if not str(path):
-        raise ValueError(f"{what} must be a non-empty path")
-    return path
 
 
 def _step_name(step: int) -> str:
@@ -217,7 +208,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: Mapping[str,
     the newest ``keep`` checkpoints by step (always including this one; ``None`` keeps all) and
     deletes ``.tmp-*`` leftovers of processes that are gone.
     """
-    directory = _as_path("directory", directory)
+    directory = as_path("directory", directory)
     step = _check_step(step)
     _check_keep(keep)
     plan = _plan(state)
@@ -252,7 +243,7 @@ def save_distributed_checkpoint(directory: str | os.PathLike, step: int, world,
     tmp = final = error = None
     if world.is_main:
         try:
-            directory = _as_path("directory", directory)
+            directory = as_path("directory", directory)
             _check_keep(keep)
             plan = _plan(state)
             if "dcp" in state:
@@ -462,7 +453,7 @@ def load_checkpoint(path: str | os.PathLike, *, map_location="cpu") -> tuple[int
     manifest, an unknown format version, a missing file, a size or sha256 mismatch. Tensors
     are loaded onto ``map_location`` (default ``"cpu"``; ``None`` keeps the saved devices).
     """
-    path = _as_path("path", path)
+    path = as_path("path", path)
     if not path.exists():
         raise CheckpointError(path, "does not exist")
     if not path.is_dir():
@@ -494,7 +485,7 @@ def latest_checkpoint(directory: str | os.PathLike, *, log: Callable[[str], Any]
     loaded) with one ``log`` message naming it, the file and the reason. ``.tmp-*`` directories
     are ignored. A missing ``directory`` gives None (a fresh run).
     """
-    directory = _as_path("directory", directory)
+    directory = as_path("directory", directory)
     if not callable(log):
         raise TypeError(f"log must be callable (for example print), got {type(log).__name__}")
     if not directory.exists():
@@ -511,49 +502,6 @@ def latest_checkpoint(directory: str | os.PathLike, *, log: Callable[[str], Any]
             continue
         return path, step, state
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face export.
-
-
-def export_pretrained(model, directory: str | os.PathLike, tokenizer=None) -> Path:
-    """``model.save_pretrained`` (safetensors) into ``directory``, atomically; return it.
-
-    Written into a temporary sibling ``.tmp-<name>-<pid>``, fsynced, then renamed (an existing
-    export is replaced), so ``directory`` is either the previous export or the complete new one.
-    ``tokenizer`` (optional) is saved alongside with its ``save_pretrained``.
-    """
-    if not callable(getattr(model, "save_pretrained", None)):
-        raise TypeError(f"model must have save_pretrained (a transformers PreTrainedModel), got "
-                        f"{type(model).__name__}")
-    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
-        raise TypeError(f"tokenizer must have save_pretrained or be None, got "
-                        f"{type(tokenizer).__name__}")
-    directory = _as_path("directory", directory).absolute()
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = new_tmp_dir(directory.parent, directory.name)
-    try:
-        kwargs = {}
-        try:
-            if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-                kwargs["safe_serialization"] = True  # transformers < 5; >= 5 always uses it
-        except (TypeError, ValueError):
-            pass
-        model.save_pretrained(tmp, **kwargs)
-        if not any(tmp.rglob("*.safetensors")):
-            raise ValueError(f"{type(model).__name__}.save_pretrained wrote no .safetensors file "
-                             f"into {tmp}; export needs a model that saves safetensors")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        fsync_tree(tmp)
-        install(tmp, directory)
-    except BaseException:
-        remove(tmp)
-        raise
-    finally:
-        done_tmp_dir(tmp)
-    return directory
 
 
 # ---------------------------------------------------------------------------------------------

@@ -164,3 +164,13 @@ def clean_stale_tmp(directory: Path) -> None:
         if busy or (pid != me and _pid_alive(pid)):
             continue
         remove(path)
+
+
+def as_path(what: str, value) -> Path:
+    """``value`` (a str or os.PathLike, not empty) as a Path; ``what`` names the argument."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a str or os.PathLike, got {type(value).__name__}")
+    path = Path(value)
+    if not str(path):
+        raise ValueError(f"{what} must be a non-empty path")
+    return path

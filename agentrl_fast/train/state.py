@@ -11,10 +11,11 @@ from typing import Any
 import torch
 
 from agentrl_fast.models.wrappers import unwrap
-from agentrl_fast.train.checkpoint import (export_pretrained, latest_checkpoint, rng_state,
+from agentrl_fast.train.checkpoint import (latest_checkpoint, rng_state,
                                            save_checkpoint, save_distributed_checkpoint,
                                            set_rng_state)
 from agentrl_fast.train.distributed import full_state_dict
+from agentrl_fast.train.export import export_pretrained
 
 
 def trainer_state(trainer) -> dict[str, Any]:
@@ -89,9 +90,7 @@ def load_trainer_state(trainer, state: dict[str, Any]) -> None:
         trainer.policy_scheduler.load_state_dict(state["policy_scheduler"])
         if trainer.critic_scheduler is not None:
             trainer.critic_scheduler.load_state_dict(state["critic_scheduler"])
-        progress = state["trainer"]
-        trainer.step_index, trainer.data_position = progress["step"], progress["data_position"]
-        trainer.kl_coef = progress["kl_coef"]
+        _restore_progress(trainer, state["trainer"])
         set_rng_state(state["rng"])
         trainer.refresh_rollout_policy()
         return
@@ -110,11 +109,14 @@ def load_trainer_state(trainer, state: dict[str, Any]) -> None:
         trainer.critic_scheduler.load_state_dict(state["critic_scheduler"])
     if trainer.reference is not None and "reference" in state:
         trainer.reference.load_state_dict(state["reference"])
-    progress = state["trainer"]
-    trainer.step_index, trainer.data_position = progress["step"], progress["data_position"]
-    trainer.kl_coef = progress["kl_coef"]
+    _restore_progress(trainer, state["trainer"])
     trainer.memory.restore(state["memory"])
     set_rng_state(state["rng"])
+
+
+def _restore_progress(trainer, progress: dict[str, Any]) -> None:
+    trainer.step_index, trainer.data_position = progress["step"], progress["data_position"]
+    trainer.kl_coef = progress["kl_coef"]
 
 
 def export_models(trainer, directory: str | Path) -> Path:
