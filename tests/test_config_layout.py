@@ -89,3 +89,10 @@ def test_no_import_circle_in_the_package():
         if node not in state:
             visit(node)
     assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_no_module_of_the_package_is_over_600_lines():
+    """A module over ~600 lines does more than one job: split it (CONTRIBUTING, "Layout")."""
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long

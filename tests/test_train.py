@@ -146,7 +146,7 @@ def test_overlapped_critic_update_matches_the_sequential_one(chat):
                               train_config(steps=1, critic_epochs=3, kl_coef=0.0,
                                            overlap_critic=overlap))
             metrics = trainer.step()
-            assert (trainer._worker is not None) == overlap
+            assert (trainer.overlap.worker is not None) == overlap
             assert torch.get_num_threads() == 2  # restored
             runs[overlap] = metrics, trainer
     finally:

@@ -154,3 +154,35 @@ def grpo_advantages(trajectories: Sequence[Trajectory], *, normalize_std: bool =
         for s in t.sub_traces:
             out.append(torch.tensor(s.action_mask, dtype=torch.float32) * value)
     return out
+
+
+def reference_kl(sub_traces: Sequence[SubTrace], old: Sequence[torch.Tensor],
+                 ref: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+    """``(kl, mean)``: per sub-trace ``[len]`` k1 estimate ``old - ref`` on action tokens (0
+    elsewhere), and its mean over the batch's action tokens (the ``kl_ref`` metric)."""
+    kl = [torch.where(torch.tensor(s.action_mask, dtype=torch.bool), o - r, torch.zeros(()))
+          for s, o, r in zip(sub_traces, old, ref)]
+    action_tokens = max(sum(s.num_action_tokens for s in sub_traces), 1)
+    return kl, float(sum(k.sum() for k in kl)) / action_tokens
+
+
+def step_advantages(config, trajectories: Sequence[Trajectory], sub_traces: Sequence[SubTrace],
+                    values: Sequence[torch.Tensor], last_values: torch.Tensor,
+                    rewards: Sequence[torch.Tensor]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """``(advantages, returns)`` of a step's batch by ``config`` (a TrainConfig): PPO's GAE
+    (``lam`` for the policy, ``critic_lam`` for the critic's targets; whitened on request), or
+    GRPO's group-relative advantages (no returns)."""
+    if config.algo != "ppo":
+        return grpo_advantages(trajectories, normalize_std=config.grpo_normalize_std), None
+    kwargs = dict(gamma=config.gamma, rewards=rewards,
+                  bootstrap_truncated=config.bootstrap_truncated,
+                  restart_at_compaction=config.gae_restart_at_compaction)
+    advantages, returns = gae_advantages(sub_traces, values, last_values, lam=config.lam,
+                                         **kwargs)
+    if config.critic_lam is not None and config.critic_lam != config.lam:
+        _, returns = gae_advantages(sub_traces, values, last_values, lam=config.critic_lam,
+                                    **kwargs)
+    if config.whiten_advantages:
+        advantages = whiten_per_sub_trace(advantages, sub_traces)
+    return advantages, returns

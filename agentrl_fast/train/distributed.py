@@ -199,6 +199,14 @@ def local_plan(lengths: Sequence[int], indices: Sequence[int], micro_batch_token
     return plan
 
 
+def rank_token_metrics(world: World, lengths: Sequence[int]) -> dict[str, float]:
+    """Tokens per rank in the scoring split (the same split rule as every mini-batch)."""
+    mine = sum(lengths[i] for i in world.share(range(len(lengths)), lengths))
+    loads = world.all_gather(mine)
+    return {"rank_tokens_min": float(min(loads)), "rank_tokens_max": float(max(loads)),
+            "sub_trace_tokens_max": float(max(lengths, default=0))}
+
+
 def empty_batch(device: torch.device) -> tuple:
     """``(input_ids, position_ids, cu_seqlens, max_seqlen)`` of one 2-token sequence (its
     second token's outputs depend on every parameter): the forward, and the backward of zero

@@ -4,26 +4,24 @@ and the value after each sub-trace's last token (GAE's bootstrap)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from agentrl_fast.harness.trajectory import SubTrace
 from agentrl_fast.models.critic import critic_values, policy_logprobs
 from agentrl_fast.train.distributed import World, empty_batch
+from agentrl_fast.train.models import Models
 from agentrl_fast.train.packing import PackedBatch, pack_sub_traces
 
 
-@dataclass
-class Models:
-    """A trainer's models; None where absent (GRPO has no critic, a shared head replaces it,
-    no reference without a KL term)."""
+class Scores(NamedTuple):
+    """Per sub-trace ``[len]`` CPU tensors (None where not computed) and ``last[B]``."""
 
-    policy: torch.nn.Module
-    critic: torch.nn.Module | None = None
-    reference: torch.nn.Module | None = None
-    value_head: torch.nn.Module | None = None
+    old: list
+    ref: list
+    values: list
+    last: torch.Tensor
 
 
 def policy_scores(models: Models, config) -> bool:
@@ -42,10 +40,9 @@ def _values_without_grad(critic, inputs):
 @torch.no_grad()
 def score(models: Models, sub_traces: Sequence[SubTrace], rollout_index: dict,
           plan: list[list[int] | None], *, device: torch.device, temperature: float,
-          recompute_logprobs: bool, world: World | None, beside: Callable):
-    """``(old, ref, values, last)``: per sub-trace ``[len]`` CPU tensors (None where not
-    computed) and ``last[num_sub_traces]``. ``plan``: this rank's micro-batches (None: an empty
-    one, collectives only); on several ranks each scores its share, then all are gathered.
+          recompute_logprobs: bool, world: World | None, beside: Callable) -> Scores:
+    """The batch's :class:`Scores`. ``plan``: this rank's micro-batches (None: an empty one,
+    collectives only); on several ranks each scores its share, then all are gathered.
     ``beside(fn, *args) -> result()`` runs the critic beside the policy."""
     for model in (models.policy, models.critic, models.reference, models.value_head):
         if model is not None:
@@ -77,7 +74,18 @@ def score(models: Models, sub_traces: Sequence[SubTrace], rollout_index: dict,
                 old[i], ref[i], values[i], last[i] = o, r, v, lv
     if not recompute_logprobs:
         old = [torch.tensor(s.logprobs, dtype=torch.float32) for s in sub_traces]
-    return old, ref, values, last
+    return Scores(old, ref, values, last)
+
+
+def logprob_mismatch(sub_traces: Sequence[SubTrace], old: list) -> dict[str, float]:
+    """Rollout vs trainer log-probs on action tokens (measured every step)."""
+    diffs = [(torch.tensor(s.logprobs) - o)[torch.tensor(s.action_mask, dtype=torch.bool)]
+             for s, o in zip(sub_traces, old)]
+    diff = torch.cat(diffs) if diffs else torch.zeros(0)
+    if diff.numel() == 0:
+        return {"logprob_mismatch_mean": 0.0, "logprob_mismatch_max": 0.0}
+    return {"logprob_mismatch_mean": float(diff.abs().mean()),
+            "logprob_mismatch_max": float(diff.abs().max())}
 
 
 def _score_nothing(models: Models, inputs: tuple, temperature: float,

@@ -1,9 +1,11 @@
-"""The update of one mini-batch: the policy's optimizer step over its micro-batches
-(``ppo_loss``, and with a shared head ``value_loss``, in one backward), the separate critic's
-(``value_loss``), the loss weights of the mini-batch, and the adaptive KL coefficient."""
+"""The updates of a step: K epochs over seeded mini-batches of whole rollouts; per mini-batch
+the policy's optimizer step over its micro-batches (``ppo_loss``, and with a shared head
+``value_loss``, in one backward) and the separate critic's (``value_loss``), with the loss
+weights of the mini-batch; then the adaptive KL coefficient."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -12,9 +14,11 @@ import torch
 
 from agentrl_fast.models.critic import critic_values, policy_logprobs
 from agentrl_fast.ops import loss_weights, ppo_loss, value_loss
+from agentrl_fast.seeds import derive_seed
 from agentrl_fast.train.distributed import World, empty_batch, gradient_sync
+from agentrl_fast.train.models import Models
+from agentrl_fast.train.overlap import CriticOverlap
 from agentrl_fast.train.packing import pack_sub_traces
-from agentrl_fast.train.scoring import Models
 
 
 @dataclass
@@ -29,6 +33,67 @@ class UpdateContext:
     kl_coef: float
     world: World | None
     plan: Callable
+
+
+def mini_batches(num_rollouts: int, count: int, seed: int, step: int, epoch: int
+                 ) -> list[list[int]]:
+    """``count`` mini-batches of rollout positions ``0..num_rollouts-1`` in a seeded order."""
+    order = torch.randperm(num_rollouts, generator=torch.Generator().manual_seed(
+        derive_seed(seed, "minibatch", step, epoch))).tolist()
+    size = math.ceil(num_rollouts / count)
+    return [order[i:i + size] for i in range(0, num_rollouts, size)]
+
+
+def update_epochs(models: Models, policy_optimizer, critic_optimizer, ctx: UpdateContext,
+                  sub_traces, rollout_index, old, ref, values, advantages, returns, *,
+                  step: int, overlap: CriticOverlap) -> dict[str, float]:
+    """The step's updates: ``epochs`` (policy) and ``critic_epochs`` (critic) passes over
+    mini-batches of whole rollouts, the critic's beside the policy's. The policy is not
+    trained before ``critic_warmup_steps`` (a shared head still is). Returns the metrics
+    averaged over the updates, ``ratio_max`` the maximum."""
+    config = ctx.config
+    by_rollout: dict[int, list[int]] = {}
+    for i, s in enumerate(sub_traces):
+        by_rollout.setdefault(rollout_index[s.rollout_id], []).append(i)
+    rollouts = sorted(by_rollout)
+    train_policy = step >= config.critic_warmup_steps
+    critic_epochs = config.critic_epochs if config.critic_epochs is not None else config.epochs
+    policy_totals: Counter = Counter()
+    critic_totals: Counter = Counter()
+    policy_updates, critic_updates, ratio_max = 0, 0, None
+    for epoch in range(max(config.epochs, critic_epochs if models.critic is not None else 0)):
+        for group in mini_batches(len(rollouts), config.mini_batches, config.seed, step, epoch):
+            indices = sorted(i for r in group for i in by_rollout[rollouts[r]])
+            if not any(sub_traces[i].num_action_tokens for i in indices):
+                continue
+            run_policy = epoch < config.epochs
+            run_critic = models.critic is not None and epoch < critic_epochs
+            with overlap.beside(run_policy and run_critic) as beside:
+                critic_job = beside(critic_update, models.critic, critic_optimizer, ctx,
+                                    sub_traces, indices, rollout_index, values,
+                                    returns) if run_critic else None
+                policy_metrics = None
+                if run_policy and models.value_head is not None:  # one backward for both
+                    policy_metrics = policy_update(models, policy_optimizer, ctx, sub_traces,
+                                                   indices, rollout_index, old, ref, advantages,
+                                                   values, returns, train_policy)
+                elif run_policy and train_policy:
+                    policy_metrics = policy_update(models, policy_optimizer, ctx, sub_traces,
+                                                   indices, rollout_index, old, ref, advantages)
+                critic_metrics = critic_job() if critic_job is not None else None
+            policy_updates += run_policy
+            if policy_metrics is not None:
+                ratio = policy_metrics.pop("ratio_max")
+                ratio_max = ratio if ratio_max is None else max(ratio_max, ratio)
+                policy_totals.update(policy_metrics)
+            if critic_metrics is not None:
+                critic_totals.update(critic_metrics)
+                critic_updates += 1
+    out = {key: value / max(policy_updates, 1) for key, value in policy_totals.items()}
+    out.update({key: value / max(critic_updates, 1) for key, value in critic_totals.items()})
+    if ratio_max is not None:
+        out["ratio_max"] = ratio_max
+    return out
 
 
 def on_device(sub_traces, group, rollout_index, device: torch.device):
