@@ -18,6 +18,14 @@ def side_envs_home() -> Path:
     return Path(os.environ.get("AGENTRL_FAST_SIDE_ENVS", default))
 
 
+def wanted_requirements(name: str) -> str:
+    """What the script stores in a built environment: ``NAME.txt`` then ``NAME.post.sh`` (the
+    install and what runs after it), trailing newlines dropped."""
+    post = SPECS / f"{name}.post.sh"
+    text = (SPECS / f"{name}.txt").read_text() + (post.read_text() if post.is_file() else "")
+    return text.rstrip("\n")
+
+
 def find_side_env(name: str) -> tuple[Path | None, str]:
     """``(python, "")`` for side environment ``name`` built from the current requirements, or
     ``(None, what is wrong and the command that fixes it)``."""
@@ -29,7 +37,7 @@ def find_side_env(name: str) -> tuple[Path | None, str]:
     stored = folder / "requirements.txt"
     if not python.exists():
         problem = f"side environment {name!r} is missing ({folder})"
-    elif not stored.is_file() or stored.read_bytes() != spec.read_bytes():
+    elif not stored.is_file() or stored.read_text().rstrip("\n") != wanted_requirements(name):
         problem = f"side environment {name!r} is stale (its requirements changed)"
     else:
         return python, ""

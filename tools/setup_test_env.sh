@@ -7,8 +7,10 @@
 #   bash tools/setup_test_env.sh triton36   # only the named ones
 #
 # Side environments live in $AGENTRL_FAST_SIDE_ENVS (default ~/.cache/agentrl_fast/side-envs),
-# one folder per tools/side-envs/NAME.txt; tests find them there (tests/side_envs.py). An
-# environment is rebuilt when its requirements file differs from the copy stored inside it.
+# one folder per tools/side-envs/NAME.txt; tests find them there (tests/side_envs.py). A
+# tools/side-envs/NAME.post.sh runs after the install (with $PY the environment's python). An
+# environment is rebuilt when its requirements (and post script) differ from the copy stored
+# inside it.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 specs="$root/tools/side-envs"
@@ -25,7 +27,9 @@ for name in "${names[@]}"; do
   spec="$specs/$name.txt"
   [ -f "$spec" ] || { echo "setup_test_env: no side environment named $name ($spec)" >&2; exit 2; }
   env_dir="$home/$name"
-  if [ -x "$env_dir/bin/python" ] && cmp -s "$spec" "$env_dir/requirements.txt"; then
+  post="$specs/$name.post.sh"
+  want=$(cat "$spec" "$post" 2>/dev/null || true)
+  if [ -x "$env_dir/bin/python" ] && [ "$want" = "$(cat "$env_dir/requirements.txt" 2>/dev/null)" ]; then
     echo "setup_test_env: $name is up to date ($env_dir)"
     continue
   fi
@@ -34,7 +38,8 @@ for name in "${names[@]}"; do
   rm -rf "$env_dir"
   "$python" -m venv "$env_dir"
   "$env_dir/bin/python" -m pip install -q --disable-pip-version-check -r "$spec"
+  if [ -f "$post" ]; then PY="$env_dir/bin/python" bash "$post"; fi
   # Written last: an interrupted build is rebuilt next time.
-  cp "$spec" "$env_dir/requirements.txt"
+  printf '%s' "$want" > "$env_dir/requirements.txt"
   echo "setup_test_env: $name ready in $(( $(date +%s) - start )) s"
 done

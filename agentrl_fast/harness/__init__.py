@@ -20,11 +20,14 @@ from agentrl_fast.harness.tools import (FAILURE_KINDS, Tool, ToolRegistry, ToolR
 from agentrl_fast.harness.trajectory import (END_KINDS, SubTrace, Trajectory, TurnOutcome,
                                              apply_turn)
 from agentrl_fast.harness.vault import VaultEnvironment, expert_action
+from agentrl_fast.harness.vllm_generator import VLLMGenerator
+from agentrl_fast.harness.vllm_server import ServerError, VLLMServer
 
 __all__ = [
     "CompactionState", "Environment", "Episode", "Generation", "Generator", "RolloutConfig",
     "RolloutEngine", "RolloutStats", "SamplingParams", "ScriptedGenerator", "Task",
-    "TorchGenerator", "VaultEnvironment", "default_summary", "derive_seed", "expert_action",
+    "TorchGenerator", "VLLMGenerator", "VLLMServer", "ServerError", "VaultEnvironment",
+    "default_summary", "derive_seed", "expert_action",
     "rollout_metrics",
     "END_KINDS", "FAILURE_KINDS", "SPECIAL_TOKENS", "STOP_MODES", "ChatFormat", "MemoryNamespace",
     "MemoryStore", "SandboxResult", "SubTrace", "Tool", "ToolCall", "ToolRegistry", "ToolResult",

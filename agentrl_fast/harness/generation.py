@@ -29,31 +29,38 @@ import numpy as np
 import torch
 
 from agentrl_fast.config.sampling import SamplingParams  # noqa: F401  (its old home)
+from agentrl_fast.models.wrappers import unwrap
 
 if TYPE_CHECKING:
     from agentrl_fast.harness.chat_format import ChatFormat
 
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "error")
 
 
 @dataclass(frozen=True)
 class Generation:
     """One sequence's output: sampled ``ids`` (stop id included), their sampling ``logprobs``,
-    ``finish_reason`` ``"stop"`` or ``"length"``."""
+    ``finish_reason`` ``"stop"`` or ``"length"``; ``"error"`` (no ids, ``error`` says why) when
+    an inference server failed the request: the rollout engine ends that episode."""
 
     ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    error: str | None = None
 
 
 class Generator(Protocol):
-    """What the rollout engine needs from an inference engine (TorchGenerator here; vLLM or
-    SGLang backends implement the same call)."""
+    """What the rollout engine and the trainer need from an inference engine
+    (:class:`TorchGenerator`, :class:`~agentrl_fast.harness.vllm_generator.VLLMGenerator`; an
+    SGLang backend would implement the same calls)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                  seeds: Sequence[int] | None = None) -> list[Generation]:
         """Continue each prompt (token ids) until a stop id or ``max_new_tokens``; ``seeds``:
         one per prompt, for reproducible sampling."""
+
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Sample from ``model``'s current parameters from the next ``generate`` on."""
 
 
 def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams
@@ -226,6 +233,14 @@ class TorchGenerator:
         """Forget every kept sequence (the rollout engine does at the start of each run, so a run
         gives the same log-probs, bit for bit, whatever ran before it)."""
         self.prefix_cache = _PrefixCache(self.prefix_cache.capacity)
+
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Sample from ``model``'s parameters from the next call on: copied into this
+        generator's model unless it is that model (then it already is current: the prefix
+        cache checks the parameters before each use)."""
+        if unwrap(model) is not self.model:
+            self.model.load_state_dict(unwrap(model).state_dict())
+        self.reset_prefix_cache()
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                  seeds: Sequence[int] | None = None) -> list[Generation]:

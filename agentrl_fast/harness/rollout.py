@@ -284,6 +284,10 @@ class RolloutEngine:
 
     async def _step(self, rollout: _Rollout, generation: Generation) -> None:
         """Record one generated turn, run its tools, and close the rollout if it ended."""
+        if generation.finish_reason == "error":  # the server failed it, not the model
+            rollout.trajectory.error = generation.error or "generation failed"
+            self._truncate(rollout, "generation_error")
+            return
         rollout.turns += 1
         sub_trace = rollout.trajectory.current
         self.stats.generated_tokens += len(generation.ids)

@@ -153,7 +153,9 @@ class SubTrace:
 class Trajectory:
     """A rollout: its sub-traces (in order, sharing ``rollout_id``), task and sample index, the
     episode's total reward (its per-turn rewards and the final one), and counters
-    (``metrics``: turns, tool calls and each failure kind)."""
+    (``metrics``: turns, tool calls and each failure kind). ``error``: why the rollout failed
+    for a reason outside the model (an inference server failed its request); a failed rollout
+    is not trained on."""
 
     rollout_id: str
     task_id: str | None = None
@@ -161,6 +163,7 @@ class Trajectory:
     sub_traces: list[SubTrace] = field(default_factory=list)
     reward: float = 0.0
     metrics: Counter = field(default_factory=Counter)
+    error: str | None = None
 
     def new_sub_trace(self) -> SubTrace:
         """Start the next sub-trace; the current one, if open, is closed as ``"continued"``."""

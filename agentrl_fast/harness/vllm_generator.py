@@ -1,0 +1,298 @@
+"""Rollouts on vLLM: :class:`VLLMGenerator`, the :class:`~agentrl_fast.harness.generation.
+Generator` protocol against running vLLM OpenAI-compatible servers.
+
+Token in, token out: prompts go to ``/v1/completions`` as token ids and the sampled ids come
+back as ids (``return_token_ids``), never re-tokenized; only our stop ids end a sequence
+(``ignore_eos``), and the stop id is kept with its log-prob. Log-probs follow the project's
+convention, ``log_softmax(logits / T)`` of the sampled token: the server must run with
+``--logprobs-mode processed_logprobs`` (checked at connect), which is that exactly when top-k and
+top-p are off, so a sampling with them on is refused.
+
+Many requests are in flight at once (async HTTP on one event loop thread, at most
+``max_concurrency``), each sent to the server with the fewest outstanding requests. A request
+that times out is retried ``retries`` times, then its sequence fails (``finish_reason "error"``:
+the rollout engine ends that episode and the trainer leaves it out). A server that stops
+answering (connection refused, or its :class:`~agentrl_fast.harness.vllm_server.VLLMServer`
+exited) raises :class:`~agentrl_fast.harness.vllm_server.ServerError`.
+
+Weights (:meth:`VLLMGenerator.update_weights`): the model's state dict is written as safetensors
+to shared memory (``/dev/shm``) and every server reloads it in place through the dev-mode
+``/collective_rpc`` (the worker's ``reload_weights``), then drops its prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from agentrl_fast.config.sampling import SamplingParams
+from agentrl_fast.harness.generation import Generation
+from agentrl_fast.models.wrappers import unwrap
+from agentrl_fast.harness.vllm_server import ServerError, VLLMServer, log_tail
+
+
+class _Endpoint:
+    def __init__(self, base_url: str, server: VLLMServer | None):
+        self.base_url = base_url.rstrip("/")
+        self.server = server
+        self.outstanding = 0
+
+    def dead_error(self, detail: str) -> ServerError:
+        if self.server is not None and self.server.process is not None:
+            code = self.server.process.poll()
+            if code is not None:
+                return ServerError(f"{self.server.name} exited with code {code} ({detail}); "
+                                   f"log tail:\n{log_tail(self.server.log_path)}")
+        return ServerError(f"vLLM server {self.base_url} stopped answering: {detail}")
+
+
+def _shm_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
+        else tempfile.gettempdir()
+
+
+class VLLMGenerator:
+    """Generation on vLLM servers at ``base_url`` (one URL, a list of them, or
+    :class:`~agentrl_fast.harness.vllm_server.VLLMServer` objects, whose deaths are then
+    reported with their logs). ``model``: the served model name (default the server's first);
+    ``max_concurrency``: requests in flight over all servers; ``timeout``: seconds per request;
+    ``retries``: more tries of a request that timed out; ``connect_timeout``: seconds to wait
+    for the servers at construction."""
+
+    def __init__(self, base_url: str | VLLMServer | Sequence[str | VLLMServer],
+                 model: str | None = None, *, max_concurrency: int = 64, timeout: float = 120.0,
+                 retries: int = 2, connect_timeout: float = 30.0):
+        import httpx  # the optional "serve" extra
+
+        targets = [base_url] if isinstance(base_url, str | VLLMServer) else list(base_url)
+        if not targets:
+            raise ValueError("base_url must name at least one server")
+        self.endpoints = []
+        for target in targets:
+            if isinstance(target, VLLMServer):
+                self.endpoints.append(_Endpoint(target.base_url, target))
+            elif isinstance(target, str) and target.startswith(("http://", "https://")):
+                self.endpoints.append(_Endpoint(target, None))
+            else:
+                raise ValueError(f"base_url: expected http(s) URLs or VLLMServer objects, got "
+                                 f"{target!r}")
+        if not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
+        self.max_concurrency, self.timeout, self.retries = max_concurrency, timeout, retries
+        self.stats = {"requests": 0, "retries": 0, "failed": 0, "weight_syncs": 0,
+                      "weight_sync_seconds": 0.0}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="agentrl_fast-vllm")
+        self._thread.start()
+        self._client = self._call(self._make_client(httpx))
+        self._weights_dir: Path | None = None
+        try:
+            self.model = model or self._call(self._connect(connect_timeout))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    async def _make_client(self, httpx):
+        limits = httpx.Limits(max_connections=self.max_concurrency,
+                              max_keepalive_connections=self.max_concurrency)
+        return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.timeout))
+
+    def _call(self, coroutine):
+        """Run ``coroutine`` on the generator's event loop thread; its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        if getattr(self, "_client", None) is not None:
+            self._call(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+    def __enter__(self) -> "VLLMGenerator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def _request(self, endpoint: _Endpoint, method: str, path: str,
+                       body: Any = None, timeout: float | None = None):
+        import httpx
+
+        try:
+            response = await self._client.request(method, endpoint.base_url + path, json=body,
+                                                   timeout=timeout or self.timeout)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as error:
+            raise endpoint.dead_error(f"{type(error).__name__}: {error}") from None
+        if response.status_code >= 400:
+            detail = response.text[:500]
+            if response.status_code < 500:
+                raise ValueError(f"vLLM server {endpoint.base_url} refused {method} {path} "
+                                 f"({response.status_code}): {detail}")
+            raise endpoint.dead_error(f"{method} {path} answered {response.status_code}: "
+                                      f"{detail}")
+        return response.json() if response.content else None
+
+    async def _connect(self, deadline_seconds: float) -> str:
+        """Wait for every server's ``/health``; check its log-probs mode; the model name."""
+        names = []
+        for endpoint in self.endpoints:
+            deadline = time.monotonic() + deadline_seconds
+            while True:
+                try:
+                    await self._request(endpoint, "GET", "/health", timeout=5)
+                    break
+                except ServerError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+            info = await self._request(endpoint, "GET", "/server_info?config_format=json")
+            mode = info["vllm_config"]["model_config"]["logprobs_mode"]
+            if mode != "processed_logprobs":
+                raise ValueError(f"vLLM server {endpoint.base_url} runs with --logprobs-mode "
+                                 f"{mode}; rollouts need processed_logprobs (log_softmax(logits "
+                                 f"/ T) of the sampled token)")
+            models = await self._request(endpoint, "GET", "/v1/models")
+            names.append(models["data"][0]["id"])
+        if len(set(names)) > 1:
+            raise ValueError(f"base_url: the servers serve different models: {names}")
+        return names[0]
+
+    # -- generation -------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                 seeds: Sequence[int] | None = None) -> list[Generation]:
+        if sampling.top_k or sampling.top_p < 1.0:
+            raise ValueError(f"sampling: top_k={sampling.top_k}, top_p={sampling.top_p} with the "
+                             "vLLM backend: its log-probs would be renormalized over the kept "
+                             "tokens, not log_softmax(logits / T); turn top-k/top-p off (top_k=0, "
+                             "top_p=1.0)")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds must have one seed per prompt ({len(prompts)}), got "
+                             f"{len(seeds)}")
+        if not prompts:
+            return []
+        return self._call(self._generate_all([list(map(int, p)) for p in prompts], sampling,
+                                             seeds))
+
+    async def _generate_all(self, prompts: list[list[int]], sampling: SamplingParams,
+                            seeds) -> list[Generation]:
+        gate = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(i: int) -> Generation:
+            async with gate:
+                return await self._generate_one(prompts[i], sampling,
+                                                None if seeds is None else int(seeds[i]))
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    def _body(self, prompt: list[int], sampling: SamplingParams, seed: int | None) -> dict:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": sampling.max_new_tokens,
+                "temperature": sampling.temperature, "top_p": 1.0, "top_k": -1, "n": 1,
+                "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                "stop_token_ids": list(sampling.stop_ids), "ignore_eos": True,
+                "skip_special_tokens": False, "include_stop_str_in_output": True}
+        if seed is not None:
+            body["seed"] = seed % (1 << 63)
+        return body
+
+    async def _generate_one(self, prompt: list[int], sampling: SamplingParams,
+                            seed: int | None) -> Generation:
+        import httpx
+
+        body = self._body(prompt, sampling, seed)
+        for attempt in range(self.retries + 1):
+            endpoint = min(self.endpoints, key=lambda e: e.outstanding)
+            endpoint.outstanding += 1
+            self.stats["requests"] += 1
+            try:
+                reply = await self._request(endpoint, "POST", "/v1/completions", body)
+                return _generation(reply, stop_ids=set(sampling.stop_ids))
+            except httpx.TimeoutException as error:
+                if attempt < self.retries:
+                    self.stats["retries"] += 1
+                    continue
+                self.stats["failed"] += 1
+                return Generation([], [], "error", error=(
+                    f"vLLM server {endpoint.base_url}: {type(error).__name__} after "
+                    f"{self.retries + 1} tries of {self.timeout} s"))
+            finally:
+                endpoint.outstanding -= 1
+        raise AssertionError("unreachable")
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every server's cached keys and values (a run's outputs then do not depend on
+        the requests before it)."""
+        self._call(self._each("POST", "/reset_prefix_cache"))
+
+    async def _each(self, method: str, path: str, body: Any = None, timeout: float | None = None):
+        return await asyncio.gather(*(self._request(e, method, path, body, timeout)
+                                      for e in self.endpoints))
+
+    def update_weights(self, model) -> None:
+        """The servers sample from ``model``'s current parameters from their next request on:
+        its state dict (HF names, float tensors) as safetensors in shared memory, reloaded in
+        place by every server, whose prefix caches are then dropped."""
+        start = time.perf_counter()
+        from safetensors.torch import save_file
+
+        state = {name: tensor.detach().to("cpu").contiguous()
+                 for name, tensor in unwrap(model).state_dict().items()}
+        folder = Path(tempfile.mkdtemp(prefix="agentrl_fast-weights-", dir=_shm_root()))
+        try:
+            save_file(state, str(folder / "model.safetensors"))
+            self._call(self._each("POST", "/collective_rpc", {
+                "method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+                timeout=max(self.timeout, 600)))
+            self._call(self._each("POST", "/reset_prefix_cache"))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        # The servers' configs now point at the new folder: keep it until the next sync.
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+        self._weights_dir = folder
+        self.stats["weight_syncs"] += 1
+        self.stats["weight_sync_seconds"] += time.perf_counter() - start
+
+
+def _generation(reply: dict, stop_ids: set[int]) -> Generation:
+    """A :class:`Generation` from a ``/v1/completions`` reply of one choice."""
+    choice = reply["choices"][0]
+    ids = choice.get("token_ids")
+    logprobs = choice["logprobs"]["token_logprobs"]
+    if ids is None:
+        ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+    ids = [int(i) for i in ids]
+    if len(ids) != len(logprobs):
+        raise RuntimeError(f"vLLM returned {len(ids)} ids and {len(logprobs)} log-probs")
+    finish = choice["finish_reason"]
+    if finish == "stop" and (not ids or ids[-1] not in stop_ids):
+        raise RuntimeError(f"vLLM stopped on {ids[-1:]} which is not a stop id {sorted(stop_ids)}")
+    if finish not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a sequence with {finish!r}")
+    return Generation(ids, [float(x) for x in logprobs], finish)

@@ -1,0 +1,179 @@
+"""A vLLM OpenAI-compatible server as a child process: :class:`VLLMServer`.
+
+vLLM pins its own torch, so it lives in a virtual environment of its own; the server runs from
+that environment's interpreter (``python``). It serves on 127.0.0.1, with what the rollouts
+need: ``--logprobs-mode processed_logprobs`` (the sampled token's log-prob after temperature,
+the trainer's convention), ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc`` reloads weights in
+place, ``/reset_prefix_cache`` drops keys of old weights: :mod:`~agentrl_fast.harness.
+vllm_generator`) and float32 weights, as the trainer's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Mapping, Sequence
+
+# Flags every server gets; ``args`` come after them and win (argparse keeps the last).
+SERVER_ARGS = ("--dtype", "float32", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
+               "--max-model-len", "2048", "--disable-log-stats", "--uvicorn-log-level", "warning")
+
+
+class ServerError(RuntimeError):
+    """A vLLM server died, never became healthy or stopped answering; the message names it and
+    quotes the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path | None, lines: int = 30) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    text = path.read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join(text) or "(empty log)"
+
+
+class VLLMServer:
+    """``with VLLMServer(model_dir, python=...) as server:`` serves ``model_dir`` (a folder vLLM
+    loads: config, safetensors, tokenizer) at ``server.base_url`` until the block ends.
+
+    ``python``: the vLLM environment's interpreter; ``port``: default a free one; ``args``: more
+    server flags (after :data:`SERVER_ARGS`, so they override them); ``env``: more environment
+    variables; ``threads``: the CPU cores vLLM's OpenMP threads are bound to (a
+    ``VLLM_CPU_OMP_THREADS_BIND`` value, default ``"0-{n-1}"`` of this machine's cores), so the
+    server and the trainer do not oversubscribe them; ``kv_cache_gib``: its KV cache on the CPU;
+    ``startup_timeout``: seconds to wait for ``/health``. The log is kept in ``log_path`` (default
+    a temporary file). On exit the whole process group is stopped.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, *, python: str | os.PathLike,
+                 port: int | None = None, args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, threads: str | None = None,
+                 kv_cache_gib: float = 1, startup_timeout: float = 300,
+                 log_path: str | os.PathLike | None = None):
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"model_dir must be a model folder with a config.json, got "
+                             f"{str(model_dir)!r}")
+        self.python = str(python)
+        if not os.access(self.python, os.X_OK):
+            raise ValueError(f"python must be the vLLM environment's interpreter, got "
+                             f"{self.python!r} (not an executable)")
+        if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+            raise ValueError(f"port must be an int in [1, 65535] or None, got {port!r}")
+        if startup_timeout <= 0:
+            raise ValueError(f"startup_timeout must be > 0 seconds, got {startup_timeout!r}")
+        self.port = port
+        self.args = tuple(str(a) for a in args)
+        self.env = dict(env or {})
+        self.threads = threads or f"0-{(os.cpu_count() or 1) - 1}"
+        self.kv_cache_gib = kv_cache_gib
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return f"vLLM server {self.base_url} (model {self.model_dir}, log {self.log_path})"
+
+    def command(self) -> list[str]:
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+                *SERVER_ARGS, *self.args]
+
+    def start(self) -> "VLLMServer":
+        if self.process is not None:
+            raise RuntimeError(f"{self.name} is already started")
+        if self.port is None:
+            self.port = free_port()
+        if self.log_path is None:
+            handle, name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
+            os.close(handle)
+            self.log_path = Path(name)
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
+               "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+               "VLLM_CPU_OMP_THREADS_BIND": self.threads,
+               "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1", **self.env}
+        for key in ("PYTHONPATH", "VIRTUAL_ENV"):  # this environment's, not the server's
+            if key not in self.env:
+                env.pop(key, None)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env,
+                                            start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if self.healthy(timeout=2):
+                return
+            time.sleep(0.5)
+        raise ServerError(f"{self.name} did not become healthy within {self.startup_timeout} s; "
+                          f"log tail:\n{log_tail(self.log_path)}")
+
+    def healthy(self, timeout: float = 2) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=timeout) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def check_alive(self) -> None:
+        """Raise :class:`ServerError` (with the log's tail) if the server has exited."""
+        if self.process is None:
+            raise ServerError(f"{self.name} was never started")
+        code = self.process.poll()
+        if code is not None:
+            raise ServerError(f"{self.name} exited with code {code}; log tail:\n"
+                              f"{log_tail(self.log_path)}")
+
+    def stop(self, grace: float = 10) -> None:
+        """SIGTERM to the server's process group, SIGKILL after ``grace`` seconds."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # children that outlived the leader (the engine core)
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
