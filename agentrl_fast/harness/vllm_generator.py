@@ -244,14 +244,17 @@ class VLLMGenerator:
 
     # -- weights ----------------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> None:
-        """Drop every server's cached keys and values (a run's outputs then do not depend on
-        the requests before it)."""
-        self._call(self._each("POST", "/reset_prefix_cache"))
-
     async def _each(self, method: str, path: str, body: Any = None, timeout: float | None = None):
-        return await asyncio.gather(*(self._request(e, method, path, body, timeout)
-                                      for e in self.endpoints))
+        """The same control request to every server; one that times out stopped answering."""
+        import httpx
+
+        async def one(endpoint: _Endpoint):
+            try:
+                return await self._request(endpoint, method, path, body, timeout)
+            except httpx.TimeoutException as error:
+                raise endpoint.dead_error(f"{method} {path}: {type(error).__name__} after "
+                                          f"{timeout or self.timeout} s") from None
+        return await asyncio.gather(*(one(e) for e in self.endpoints))
 
     def update_weights(self, model) -> None:
         """The servers sample from ``model``'s current parameters from their next request on:

@@ -26,7 +26,7 @@ import torch
 from agentrl_fast.config.train import TrainConfig
 from agentrl_fast.harness.chat_format import ChatFormat
 from agentrl_fast.harness.environment import Environment
-from agentrl_fast.harness.generation import TorchGenerator
+from agentrl_fast.harness.generation import Generator, TorchGenerator
 from agentrl_fast.harness.memory import MemoryStore
 from agentrl_fast.harness.rollout import RolloutEngine, rollout_metrics
 from agentrl_fast.harness.trajectory import SubTrace, Trajectory
@@ -53,6 +53,11 @@ class Trainer:
     ``reference``: default a frozen copy of the policy at the start, when ``kl_coef > 0``.
     The policy samples rollouts through :class:`TorchGenerator` and trains on packed batches.
 
+    ``generator``: what rollouts sample with (default a :class:`TorchGenerator` on the policy;
+    for example a :class:`~agentrl_fast.harness.vllm_generator.VLLMGenerator`): it gets the
+    policy's weights at the start and after every step (``update_weights``). Rollouts it failed
+    (``Trajectory.error``) are not trained on and are counted in ``failed_episodes``.
+
     ``world``: this rank of a ``torchrun`` job (:func:`~agentrl_fast.train.distributed.
     init_world`); the models are then made data-parallel (``config.distributed``) and each step
     is shared by the ranks as :mod:`agentrl_fast.train.distributed` describes. The models given
@@ -62,7 +67,8 @@ class Trainer:
     def __init__(self, policy: torch.nn.Module, chat_format: ChatFormat,
                  environment: Environment, config: TrainConfig,
                  critic: torch.nn.Module | None = None, reference: torch.nn.Module | None = None,
-                 memory: MemoryStore | None = None, log=print, world: World | None = None):
+                 memory: MemoryStore | None = None, log=print, world: World | None = None,
+                 generator: Generator | None = None):
         if config.checkpoint_every and not config.checkpoint_dir:
             # Checked here, not in TrainConfig: a run config leaves the folder to the run.
             raise ValueError("checkpoint_every needs checkpoint_dir")
@@ -79,10 +85,16 @@ class Trainer:
         self.overlap = CriticOverlap(config.overlap_critic and world is None
                                      and self.device.type == "cpu")
         self.memory = memory if memory is not None else MemoryStore()
-        pad_id = chat_format.tokenizer.pad_token_id
-        self.engine = RolloutEngine(TorchGenerator(self.rollout_policy,
-                                                   pad_id=0 if pad_id is None else pad_id),
-                                    chat_format, environment, config.rollout, memory=self.memory)
+        if generator is None:
+            pad_id = chat_format.tokenizer.pad_token_id
+            generator = TorchGenerator(self.rollout_policy, pad_id=0 if pad_id is None else pad_id)
+        else:  # an inference server: it samples from the policy as it is now
+            if world is not None:
+                raise ValueError("generator: a generator of its own runs on one process only; "
+                                 "under torchrun each rank samples with its TorchGenerator")
+            generator.update_weights(self.rollout_policy)
+        self.engine = RolloutEngine(generator, chat_format, environment, config.rollout,
+                                    memory=self.memory)
         self.temperature = config.rollout.sampling.temperature or 1.0
         self.kl_coef = config.kl_coef
         self.step_index = 0
@@ -107,6 +119,9 @@ class Trainer:
         every, trajectories, rounds = self._collect()
         rollout_seconds = time.perf_counter() - start
         metrics = dict(rollout_metrics(every))
+        failed = sum(t.error is not None for t in every)
+        if failed:  # rollouts the generator failed (a server's timeouts), not trained on
+            metrics["failed_episodes"] = failed
         if config.filter_groups:
             metrics.update(rollout_rounds=rounds, kept_groups=len(trajectories)
                            // config.rollout.samples_per_task)
@@ -139,12 +154,12 @@ class Trainer:
         config = self.config
         if not config.filter_groups:
             batch = self._rollouts(0)
-            return batch, batch, 1
+            return batch, [t for t in batch if t.error is None], 1
         every, kept = [], []
         for round_index in range(config.max_rollout_rounds):
             batch = self._rollouts(round_index)
             every += batch
-            kept += groups_with_signal(batch)
+            kept += groups_with_signal([t for t in batch if t.error is None])
             if len(kept) >= config.tasks_per_step:
                 break
         return every, [t for g in kept[:config.tasks_per_step] for t in g], round_index + 1
@@ -217,9 +232,11 @@ class Trainer:
                              step=self.step_index, overlap=self.overlap)
 
     def refresh_rollout_policy(self) -> None:
-        """Under FSDP: copy the updated shards into the whole policy rollouts run on."""
+        """The generator samples from the updated policy: under FSDP the shards are first
+        copied into the whole policy rollouts run on."""
         if self.rollout_policy is not unwrap(self.policy):
             self.rollout_policy.load_state_dict(full_state_dict(self.policy, self.world))
+        self.engine.generator.update_weights(self.rollout_policy)
 
     # -- checkpoints (agentrl_fast.train.state) ------------------------------------------------
 

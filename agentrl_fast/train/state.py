@@ -112,6 +112,7 @@ def load_trainer_state(trainer, state: dict[str, Any]) -> None:
     _restore_progress(trainer, state["trainer"])
     trainer.memory.restore(state["memory"])
     set_rng_state(state["rng"])
+    trainer.engine.generator.update_weights(trainer.rollout_policy)  # an inference server's
 
 
 def _restore_progress(trainer, progress: dict[str, Any]) -> None:

