@@ -10,6 +10,7 @@ by at most 1.5e-6 at temperatures 1.0 and 0.7; the tests allow LOGPROB_TOLERANCE
 """
 
 import copy
+import json
 import os
 import signal
 import time
@@ -18,13 +19,14 @@ import pytest
 import torch
 
 from agentrl_fast.config import RunConfig
+from agentrl_fast.config.generator import GeneratorConfig
 from agentrl_fast.config.sampling import SamplingParams
 from agentrl_fast.harness import (ChatFormat, RolloutEngine, ScriptedGenerator, ServerError,
                                   VLLMGenerator, VLLMServer, expert_action)
 from agentrl_fast.models.attention import use_packed_attention
 from agentrl_fast.models.critic import policy_logprobs
 from agentrl_fast.train.export import export_pretrained
-from agentrl_fast.train.run import build
+from agentrl_fast.train.run import build, train_run
 from side_envs import side_env_python
 
 pytestmark = pytest.mark.vllm
@@ -178,3 +180,51 @@ def test_a_stalled_server_fails_only_its_episodes(served, server):
         time.sleep(0.5)
         again = engine.run(tasks, seed=0)
         assert all(t.error is None for t in again)
+
+
+def test_three_ppo_steps_of_the_main_job_on_vllm(served, server, tmp_path):
+    """The main job's loop with rollouts and evaluations on the server (weights synced after
+    every update): the trainer's recomputed log-probs match the server's sampled ones."""
+    config = vllm_config()
+    config.run_dir = str(tmp_path / "run")
+    config.warmstart.steps = 0
+    config.train.steps = 3
+    config.train.recompute_logprobs = True
+    config.eval.tasks = 8
+    config.generator = GeneratorConfig(backend="vllm", url=server.base_url)
+    summary = train_run(config, progress=False, print_fn=lambda *args: None)
+    assert summary["steps"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for row in train:
+        assert row["generated_tokens"] > 0 and "failed_episodes" not in row
+        assert row["logprob_mismatch_max"] < LOGPROB_TOLERANCE, row
+    assert (tmp_path / "run" / "export" / "policy" / "tokenizer.json").exists()
+
+
+@pytest.mark.slow
+def test_two_servers_share_the_requests_take_the_weights_and_a_dead_one_is_named(
+        served, server, tmp_path):
+    """Requests spread over two servers (fewest outstanding first), a weight sync reaches both,
+    and killing one mid-run ends the run with an error naming it and quoting its log."""
+    _, environment, chat, policy = served
+    second = VLLMServer(server.model_dir, python=server.python, log_path=tmp_path / "second.log")
+    with second, VLLMGenerator([server, second]) as generator:
+        moved = copy.deepcopy(policy)
+        with torch.no_grad():
+            for parameter in moved.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+        generator.update_weights(moved)
+        prompts = prompts_of(environment, chat, count=16)
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=16, stop_ids=chat.stop_ids)
+        generations = generator.generate(prompts, sampling, seeds=range(16))
+        assert all(e.requests >= 4 for e in generator.endpoints)
+        assert largest_difference(moved, prompts, generations, 1.0) < LOGPROB_TOLERANCE
+        engine = RolloutEngine(generator, chat, environment, vllm_config().train.rollout)
+        tasks = environment.tasks("train")[:4]
+        engine.run(tasks[:2], seed=0)  # the run is under way on both
+        os.killpg(second.process.pid, signal.SIGKILL)
+        with pytest.raises(ServerError, match=rf"{second.base_url}.*exited with code -9"
+                                              rf"(.|\n)*log tail"):
+            engine.run(tasks[2:], seed=1)

@@ -17,9 +17,10 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
 
 from agentrl_fast.config.distributed import DistributedConfig  # noqa: F401  (re-exported)
+from agentrl_fast.config.generator import GeneratorConfig
 from agentrl_fast.config.rollout import RolloutConfig
 from agentrl_fast.config.sampling import SamplingParams
 from agentrl_fast.config.train import TrainConfig
@@ -137,6 +138,7 @@ class RunConfig:
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     train: TrainConfig = field(default_factory=_main_job_train)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
 
 
 class ConfigError(ValueError):
@@ -239,18 +241,23 @@ def load_config(path: str | Path | None = None, base: RunConfig | None = None) -
 
 
 def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
-    """Apply ``section.field=value`` strings (``train.rollout.context_budget=256``)."""
+    """Apply ``section.field=value`` strings (``train.rollout.context_budget=256``), all at
+    once (checks across fields see every override; a later value of a field wins)."""
     import yaml
+    merged: dict = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected field=value "
                               "(e.g. train.kl_coef=0.01)")
         key, raw = item.split("=", 1)
-        data: Any = yaml.safe_load(raw) if raw else ""
-        for part in reversed(key.strip().split(".")):
-            data = {part: data}
-        config = _build(RunConfig, data, "", config)
-    return config
+        *sections, name = key.strip().split(".")
+        target = merged
+        for part in sections:
+            if not isinstance(target.get(part, {}), dict):
+                target[part] = {}  # an earlier override set the whole section: this refines it
+            target = target.setdefault(part, {})
+        target[name] = yaml.safe_load(raw) if raw else ""
+    return _build(RunConfig, merged, "", config) if merged else config
 
 
 def validate(config: RunConfig) -> None:
@@ -296,3 +303,9 @@ def validate(config: RunConfig) -> None:
     if config.model.num_heads % config.model.num_kv_heads:
         raise ConfigError(f"model.num_kv_heads: num_heads ({config.model.num_heads}) must be a "
                           f"multiple of num_kv_heads ({config.model.num_kv_heads})")
+    sampling = config.train.rollout.sampling
+    if config.generator.backend == "vllm":
+        if sampling.top_k or sampling.top_p < 1.0:
+            raise ConfigError("generator.backend=vllm: train.rollout.sampling.top_k/top_p must be "
+                              "off (vLLM's log-probs after them are renormalized, not "
+                              "log_softmax(logits / T))")

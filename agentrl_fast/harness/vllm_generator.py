@@ -41,7 +41,8 @@ class _Endpoint:
     def __init__(self, base_url: str, server: VLLMServer | None):
         self.base_url = base_url.rstrip("/")
         self.server = server
-        self.outstanding = 0
+        self.outstanding = 0  # requests in flight
+        self.requests = 0  # sent, over the generator's life
 
     def dead_error(self, detail: str) -> ServerError:
         if self.server is not None and self.server.process is not None:
@@ -226,6 +227,7 @@ class VLLMGenerator:
         for attempt in range(self.retries + 1):
             endpoint = min(self.endpoints, key=lambda e: e.outstanding)
             endpoint.outstanding += 1
+            endpoint.requests += 1
             self.stats["requests"] += 1
             try:
                 reply = await self._request(endpoint, "POST", "/v1/completions", body)

@@ -66,7 +66,7 @@ class VLLMServer:
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model_dir must be a model folder with a config.json, got "
                              f"{str(model_dir)!r}")
-        self.python = str(python)
+        self.python = os.path.expanduser(str(python))
         if not os.access(self.python, os.X_OK):
             raise ValueError(f"python must be the vLLM environment's interpreter, got "
                              f"{self.python!r} (not an executable)")

@@ -23,13 +23,14 @@ from typing import Callable
 import torch
 
 from agentrl_fast.config import ConfigError, RunConfig, to_dict, validate
-from agentrl_fast.harness import (ChatFormat, RolloutEngine, ScriptedGenerator, TorchGenerator,
-                                  VaultEnvironment, build_tokenizer, expert_action,
-                                  rollout_metrics)
+from agentrl_fast.harness import (ChatFormat, Generator, RolloutEngine, ScriptedGenerator,
+                                  TorchGenerator, VaultEnvironment, build_tokenizer,
+                                  expert_action, rollout_metrics)
 from agentrl_fast.models.fused import use_fused_layers
 from agentrl_fast.models.tiny import tiny_qwen3
 from agentrl_fast.train.distributed import World, init_world, shutdown
 from agentrl_fast.train.ppo import Trainer
+from agentrl_fast.train.serving import run_generator
 from agentrl_fast.train.sft import demonstrations, sft
 
 
@@ -93,17 +94,22 @@ def expert_demonstrations(config: RunConfig, chat: ChatFormat, environment) -> l
 
 
 def evaluate(policy, chat: ChatFormat, environment, config: RunConfig, *, seed: int = 0,
-             world: World | None = None, tasks: list | None = None) -> dict:
+             world: World | None = None, tasks: list | None = None,
+             generator: Generator | None = None) -> dict:
     """Success rate and mean reward on ``tasks`` (default: the first ``eval.tasks`` held-out
     tasks), one rollout each at ``eval.temperature`` with the training rollout limits;
     ``world``: the ranks share the tasks (``policy``, whole and the same on every rank, runs
-    locally)."""
+    locally). ``generator``: the run's (default a TorchGenerator on ``policy``), given the
+    policy's weights first."""
     rollout = dataclasses.replace(
         config.train.rollout, samples_per_task=1, schedule="lockstep",
         sampling=dataclasses.replace(config.train.rollout.sampling,
                                      temperature=config.eval.temperature))
-    engine = RolloutEngine(TorchGenerator(policy, pad_id=chat.tokenizer.pad_token_id or 0),
-                           chat, environment, rollout)
+    if generator is None:
+        generator = TorchGenerator(policy, pad_id=chat.tokenizer.pad_token_id or 0)
+    else:
+        generator.update_weights(policy)
+    engine = RolloutEngine(generator, chat, environment, rollout)
     if tasks is None:
         tasks = environment.tasks("eval")[:config.eval.tasks]
     if world is None:
@@ -127,7 +133,8 @@ def check_interval(successes: list[float], warmstart) -> int:
 
 
 def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: list, *,
-               log: Callable[[dict], None] | None = None) -> tuple[list[float], list[dict]]:
+               log: Callable[[dict], None] | None = None,
+               generator: Generator | None = None) -> tuple[list[float], list[dict]]:
     """Supervised warm-start of ``policy`` on ``demos`` (:func:`expert_demonstrations`) as
     ``config.warmstart`` says; returns the loss of each step and the validation checks
     (``{"sft_step", "check_success", "check_reward"}``), each also passed to ``log``. It ends
@@ -135,7 +142,8 @@ def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: 
     checks in a row whose greedy success on the last ``warmstart.check_tasks`` held-out tasks
     (never among the final evaluation's first ``eval.tasks``:
     :func:`~agentrl_fast.config.validate`) reaches ``warmstart.target_success``
-    (:func:`target_confirmed`); the checks come as :func:`check_interval` says."""
+    (:func:`target_confirmed`); the checks come as :func:`check_interval` says, on
+    ``generator`` (:func:`evaluate`)."""
     w = config.warmstart
     checks: list[dict] = []
     validation = environment.tasks("eval")[-w.check_tasks:]
@@ -147,7 +155,8 @@ def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: 
         last = checks[-1]["sft_step"] if checks else 0
         if step - last < check_interval(successes, w):
             return False
-        result = evaluate(policy, chat, environment, config, seed=config.seed, tasks=validation)
+        result = evaluate(policy, chat, environment, config, seed=config.seed, tasks=validation,
+                          generator=generator)
         checks.append({"sft_step": step, "check_success": result["success"],
                        "check_reward": result["reward"]})
         if log is not None:
@@ -243,6 +252,17 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
     torch.manual_seed(config.seed)
     environment, chat, policy = build(config)
     run_dir = Path(config.run_dir)
+    if config.generator.backend != "torch":
+        run_dir.mkdir(parents=True, exist_ok=True)
+    with run_generator(config, policy, chat.tokenizer, run_dir, world is not None) as generator:
+        return _phases(config, progress, print_fn, world, start, main, environment, chat, policy,
+                       generator)
+
+
+def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, start: float,
+            main: bool, environment, chat: ChatFormat, policy, generator) -> dict:
+    """Warm-start, its evaluation, RL and the final evaluation, on ``generator``."""
+    run_dir = Path(config.run_dir)
     resuming = any((run_dir / "checkpoints").glob("step-*"))
     demos = []
     if not resuming and config.warmstart.steps:
@@ -263,14 +283,16 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
         if demos:
             losses, checks = warm_start(
                 config, policy, chat, environment, demos,
-                log=(lambda m: outputs.write("warmstart", m["sft_step"], m)) if main else None)
+                log=(lambda m: outputs.write("warmstart", m["sft_step"], m)) if main else None,
+                generator=generator)
             reached = (f", validation success {checks[-1]['check_success']:.2f} at the last "
                        "check" if checks else "")
             print_fn(f"warm-start: {len(demos)} expert rollouts, {len(losses)} steps, "
                      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{reached}")
         if world is not None:
             world.broadcast_parameters(policy)
-        before = evaluate(policy, chat, environment, config, seed=config.seed, world=world)
+        before = evaluate(policy, chat, environment, config, seed=config.seed, world=world,
+                          generator=generator)
         if main:
             outputs.write("eval", 0, before)
             warm_file.write_text(json.dumps(before))
@@ -280,7 +302,8 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
         world.barrier()  # warmstart.json is written
     before = json.loads(warm_file.read_text())
     rl_start = time.perf_counter()
-    trainer = Trainer(policy, chat, environment, train, log=print_fn, world=world)
+    trainer = Trainer(policy, chat, environment, train, log=print_fn, world=world,
+                      generator=generator)
     if resuming and main:
         _forget_steps_after(run_dir / "metrics.jsonl", trainer.step_index)
     bar = None
@@ -308,7 +331,7 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
     if not final_exists:
         trainer.save_checkpoint()  # the final state, whatever checkpoint_every is
     after = evaluate(trainer.rollout_policy, chat, environment, config, seed=config.seed,
-                     world=world)
+                     world=world, generator=generator)
     trainer.export(run_dir / "export")
     summary = {"algo": train.algo, "steps": trainer.step_index, "seed": config.seed,
                "eval_tasks": config.eval.tasks, "warmstart_success": before["success"],

@@ -1,0 +1,41 @@
+"""A run's generator (``RunConfig.generator``): ``None`` for the in-process
+:class:`~agentrl_fast.harness.generation.TorchGenerator`, or a
+:class:`~agentrl_fast.harness.vllm_generator.VLLMGenerator` on the servers at ``url``, or on a
+server started for the run from the policy exported as a model folder (config, safetensors,
+tokenizer) in ``run_dir/serving``, its log in ``run_dir/vllm-server.log``."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+from agentrl_fast.config import ConfigError, RunConfig
+from agentrl_fast.harness.generation import Generator
+from agentrl_fast.harness.vllm_generator import VLLMGenerator
+from agentrl_fast.harness.vllm_server import VLLMServer
+from agentrl_fast.train.export import export_pretrained
+
+
+@contextlib.contextmanager
+def run_generator(config: RunConfig, policy, tokenizer, run_dir: Path,
+                  distributed: bool) -> Iterator[Generator | None]:
+    """The generator rollouts, validation checks and evaluations of the run sample with
+    (``None``: a TorchGenerator each on the policy); servers started here stop at the end."""
+    settings = config.generator
+    if settings.backend == "torch":
+        yield None
+        return
+    if distributed:
+        raise ConfigError("generator.backend=vllm runs on one process; under torchrun each rank "
+                          "samples with its own TorchGenerator (generator.backend=torch)")
+    with contextlib.ExitStack() as stack:
+        targets: list = settings.urls
+        if not targets:
+            folder = export_pretrained(policy, Path(run_dir) / "serving", tokenizer=tokenizer)
+            targets = [stack.enter_context(VLLMServer(
+                folder, python=settings.python, startup_timeout=settings.startup_timeout,
+                log_path=Path(run_dir) / "vllm-server.log"))]
+        yield stack.enter_context(VLLMGenerator(
+            targets, max_concurrency=settings.max_concurrency, timeout=settings.timeout,
+            retries=settings.retries))
