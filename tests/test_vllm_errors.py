@@ -1,0 +1,88 @@
+"""The vLLM backend's errors that need no vLLM: bad arguments name themselves, a server that
+exits at once or never answers raises ServerError naming it with its log's tail, and a
+generator without a server to reach fails at connect. (Against a real server: test_vllm.py.)"""
+
+import stat
+import time
+
+import pytest
+
+from agentrl_fast.config import ConfigError, RunConfig, apply_overrides, validate
+from agentrl_fast.config.generator import GeneratorConfig
+from agentrl_fast.harness import ServerError, VLLMGenerator, VLLMServer
+from agentrl_fast.harness.vllm_server import free_port
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(backend="sglang"), "backend must be one of torch, vllm"),
+    (dict(backend="vllm"), "needs url .* or python"),
+    (dict(url="http://127.0.0.1:1"), "url and python are for backend='vllm'"),
+    (dict(backend="vllm", url="127.0.0.1:8000"), "url must be http"),
+    (dict(backend="vllm", url="http://a", max_concurrency=0), "max_concurrency must be"),
+    (dict(backend="vllm", url="http://a", retries=-1), "retries must be"),
+    (dict(backend="vllm", url="http://a", timeout=0), "timeout must be > 0"),
+])
+def test_generator_config_names_the_bad_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GeneratorConfig(**fields)
+
+
+def test_overrides_apply_at_once_and_vllm_refuses_top_p():
+    config = apply_overrides(RunConfig(), ["generator.backend=vllm",
+                                           "generator.url=http://127.0.0.1:8000,http://h:1"])
+    assert config.generator.urls == ["http://127.0.0.1:8000", "http://h:1"]
+    config = apply_overrides(config, ["train.rollout.sampling.top_p=0.9"])
+    with pytest.raises(ConfigError, match="top_k/top_p must be off"):
+        validate(config)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
+def fake_python(tmp_path, body: str):
+    """An executable standing in for the vLLM interpreter."""
+    path = tmp_path / "python"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def test_server_arguments_are_checked(tmp_path, model_dir):
+    with pytest.raises(ValueError, match="model_dir must be a model folder"):
+        VLLMServer(tmp_path / "nothing", python="/bin/sh")
+    with pytest.raises(ValueError, match="python must be the vLLM environment's interpreter"):
+        VLLMServer(model_dir, python=tmp_path / "missing")
+    with pytest.raises(ValueError, match="port must be an int"):
+        VLLMServer(model_dir, python="/bin/sh", port=70000)
+
+
+def test_a_server_that_exits_is_named_with_its_log(tmp_path, model_dir):
+    python = fake_python(tmp_path, 'echo "no module named vllm: $*"; exit 3')
+    server = VLLMServer(model_dir, python=python, log_path=tmp_path / "server.log")
+    with pytest.raises(ServerError, match=r"vLLM server http://127\.0\.0\.1:\d+ .*exited with "
+                                          r"code 3; log tail:\n.*no module named vllm"):
+        server.start()
+    assert server.process is None  # stopped
+
+
+def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path, model_dir):
+    python = fake_python(tmp_path, "exec sleep 60")
+    server = VLLMServer(model_dir, python=python, startup_timeout=1.5)
+    start = time.monotonic()
+    with pytest.raises(ServerError, match="did not become healthy within 1.5 s"):
+        server.start()
+    assert time.monotonic() - start < 20
+    assert server.process is None
+
+
+def test_a_generator_with_no_server_fails_at_connect():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerError, match=f"vLLM server {url} stopped answering"):
+        VLLMGenerator(url, connect_timeout=1.0)
+    with pytest.raises(ValueError, match="base_url: expected http"):
+        VLLMGenerator(["localhost:8000"])
+    with pytest.raises(ValueError, match="max_concurrency must be an int >= 1"):
+        VLLMGenerator(url, max_concurrency=0)
