@@ -25,6 +25,7 @@ from agentrl_fast.harness import (ChatFormat, RolloutEngine, ScriptedGenerator, 
                                   VLLMGenerator, VLLMServer, expert_action)
 from agentrl_fast.models.attention import use_packed_attention
 from agentrl_fast.models.critic import policy_logprobs
+from agentrl_fast.models.tiny import with_stop_direction
 from agentrl_fast.train.export import export_pretrained
 from agentrl_fast.train.run import build, train_run
 from side_envs import side_env_python
@@ -100,16 +101,9 @@ def test_sampled_logprobs_equal_the_trainers(served, temperature):
 
 
 def stop_prone(policy, chat) -> torch.nn.Module:
-    """``policy`` with the LM head rows of ``</tool_call>`` and ``<|im_end|>`` along +u and -u
-    (u the mean final hidden direction), so about one token in a few is one of them."""
-    model = copy.deepcopy(policy)
-    head = model.get_output_embeddings().weight
-    with torch.no_grad():
-        u = head.mean(0)
-        u = u / u.norm()
-        head[chat.tool_call_close_id] = 6.0 * u * head.shape[1] ** 0.5 / 4
-        head[chat.im_end_id] = -6.0 * u * head.shape[1] ** 0.5 / 4
-    return model
+    """A copy of ``policy`` whose turns end after a few tokens at ``</tool_call>`` or
+    ``<|im_end|>`` (weights only, so the server loads it)."""
+    return with_stop_direction(copy.deepcopy(policy), chat.tool_call_close_id, chat.im_end_id)
 
 
 @pytest.mark.parametrize("stop_mode", ["tool_call", "im_end"])

@@ -2,8 +2,12 @@
 exits at once or never answers raises ServerError naming it with its log's tail, and a
 generator without a server to reach fails at connect. (Against a real server: test_vllm.py.)"""
 
+import os
 import stat
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +90,35 @@ def test_a_generator_with_no_server_fails_at_connect():
         VLLMGenerator(["localhost:8000"])
     with pytest.raises(ValueError, match="max_concurrency must be an int >= 1"):
         VLLMGenerator(url, max_concurrency=0)
+
+
+def test_a_server_does_not_outlive_a_killed_trainer(tmp_path, model_dir):
+    """SIGKILL to the process that started a server: the server gets SIGTERM (no orphan)."""
+    pid_file = tmp_path / "server.pid"
+    python = fake_python(tmp_path, f'echo $$ > {pid_file}; exec sleep 120')
+    code = (f"from agentrl_fast.harness import VLLMServer\n"
+            f"VLLMServer({str(model_dir)!r}, python={str(python)!r}, startup_timeout=120).start()")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.1)
+        server_pid = int(pid_file.read_text())
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(server_pid):
+            assert time.monotonic() < deadline, "the server outlived the killed trainer"
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() else "X"
+    return state != "Z"  # a zombie has exited (its parent may not have reaped it yet)

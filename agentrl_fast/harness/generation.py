@@ -41,12 +41,14 @@ FINISH_REASONS = ("stop", "length", "error")
 class Generation:
     """One sequence's output: sampled ``ids`` (stop id included), their sampling ``logprobs``,
     ``finish_reason`` ``"stop"`` or ``"length"``; ``"error"`` (no ids, ``error`` says why) when
-    an inference server failed the request: the rollout engine ends that episode."""
+    an inference server failed the request: the rollout engine ends that episode. ``version``:
+    the policy version of the weights that sampled it (asynchronous training)."""
 
     ids: list[int]
     logprobs: list[float]
     finish_reason: str
     error: str | None = None
+    version: int = 0
 
 
 class Generator(Protocol):

@@ -296,7 +296,8 @@ class RolloutEngine:
         outcome = await apply_turn(sub_trace, self.chat_format,
                                    _TimedRegistry(rollout.registry, self._clock), generation.ids,
                                    generation.logprobs, rollout.trajectory.metrics,
-                                   max_response_chars=self.config.max_tool_response_chars)
+                                   max_response_chars=self.config.max_tool_response_chars,
+                                   version=generation.version)
         rollout.trajectory.metrics["generated_tokens"] += len(generation.ids)
         if outcome.results:
             rollout.tool_results += list(zip(outcome.calls, outcome.results))

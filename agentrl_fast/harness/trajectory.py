@@ -51,7 +51,10 @@ class SubTrace:
     - ``logprobs``: the sampling log-prob of each action token (DESIGN.md: ``log_softmax`` of
       ``logits / temperature`` before top-p/top-k), 0.0 on context;
     - ``rewards``: per-token rewards, nonzero only on action tokens (a turn's reward sits on
-      its last action token).
+      its last action token);
+    - ``versions``: the policy version that sampled each action token (the learner's step
+      count when its weights were published; asynchronous training bounds how far behind they
+      may be), -1 on context. Empty on a sub-trace built by hand: version 0 throughout.
     """
 
     rollout_id: str
@@ -61,6 +64,7 @@ class SubTrace:
     logprobs: list[float] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     end: str | None = None
+    versions: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -68,6 +72,12 @@ class SubTrace:
     @property
     def num_action_tokens(self) -> int:
         return sum(self.action_mask)
+
+    def action_versions(self) -> list[int]:
+        """The version of each action token, in order."""
+        if len(self.versions) != len(self.ids):  # built by hand
+            return [0] * self.num_action_tokens
+        return [v for v, m in zip(self.versions, self.action_mask) if m]
 
     @property
     def last_action_index(self) -> int | None:
@@ -89,9 +99,12 @@ class SubTrace:
         self.action_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.rewards += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
 
-    def append_action(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """Append the ids the policy sampled, verbatim, with their sampling log-probs."""
+    def append_action(self, ids: Sequence[int], logprobs: Sequence[float],
+                      version: int = 0) -> None:
+        """Append the ids the policy sampled, verbatim, with their sampling log-probs and the
+        policy version that sampled them."""
         self._check_open()
         ids = _check_ids(ids, "ids")
         logprobs = [float(lp) for lp in logprobs]
@@ -109,6 +122,7 @@ class SubTrace:
         self.action_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.rewards += [0.0] * len(ids)
+        self.versions += [int(version)] * len(ids)
 
     def rewind(self, length: int) -> None:
         """Drop the tokens from ``length`` on; they must all be context (a compaction moves tool
@@ -118,7 +132,7 @@ class SubTrace:
             raise ValueError(f"rewind: length must be in [0, {len(self.ids)}], got {length}")
         if any(self.action_mask[length:]):
             raise ValueError("rewind would drop action tokens; only context can be dropped")
-        for values in (self.ids, self.action_mask, self.logprobs, self.rewards):
+        for values in (self.ids, self.action_mask, self.logprobs, self.rewards, self.versions):
             del values[length:]
 
     def add_reward(self, reward: float) -> None:
@@ -212,7 +226,7 @@ def cap_response(result: ToolResult, max_chars: int) -> ToolResult:
 async def apply_turn(sub_trace: SubTrace, chat_format: ChatFormat, registry: ToolRegistry,
                      sampled_ids: Sequence[int], logprobs: Sequence[float],
                      metrics: Counter | None = None,
-                     max_response_chars: int | None = None) -> TurnOutcome:
+                     max_response_chars: int | None = None, version: int = 0) -> TurnOutcome:
     """One turn: append the sampled ids as actions, run the calls they contain, append the
     turn's end, the tool results and the next generation prompt as context ids.
 
@@ -224,7 +238,7 @@ async def apply_turn(sub_trace: SubTrace, chat_format: ChatFormat, registry: Too
     decides (usually: truncate the rollout). A tool response longer than
     ``max_response_chars`` is cut there, with a visible ``[truncated: N more characters]``.
     """
-    sub_trace.append_action(sampled_ids, logprobs)
+    sub_trace.append_action(sampled_ids, logprobs, version)
     last = sampled_ids[-1] if len(sampled_ids) else None
     if last == chat_format.im_end_id:
         stop = "im_end"

@@ -11,6 +11,7 @@ vllm_generator`) and float32 weights, as the trainer's.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -92,7 +93,10 @@ class VLLMServer:
         return f"vLLM server {self.base_url} (model {self.model_dir}, log {self.log_path})"
 
     def command(self) -> list[str]:
-        return [self.python, "-m", "vllm.entrypoints.openai.api_server",
+        # setpriv --pdeathsig: SIGTERM to the server when the thread that started it dies, so a
+        # trainer killed with SIGKILL leaves no server behind (vLLM then stops its engine).
+        guard = ["setpriv", "--pdeathsig", "TERM", "--"] if shutil.which("setpriv") else []
+        return [*guard, self.python, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
                 *SERVER_ARGS, *self.args]
 

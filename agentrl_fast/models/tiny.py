@@ -49,3 +49,20 @@ def with_token_bias(model: torch.nn.Module, biases: dict[int, float]) -> torch.n
             biased.bias[token] = value
     model.set_output_embeddings(biased)
     return model
+
+
+def with_stop_direction(model: torch.nn.Module, plus_id: int, minus_id: int,
+                        logit: float = 6.0) -> torch.nn.Module:
+    """Set the LM head rows of ``plus_id`` and ``minus_id`` to ``+-c * u`` (``u`` the unit mean
+    row, ``c`` scaled so the logits are about ``logit``), in place: one of the two tokens is
+    likely at most positions, so a random model's turns are short. Unlike
+    :func:`with_token_bias` it changes weights only, so the model stays a plain checkpoint
+    (vLLM serves it)."""
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        u = head.mean(0)
+        u = u / u.norm()
+        scale = logit * head.shape[1] ** 0.5 / 4
+        head[plus_id] = scale * u
+        head[minus_id] = -scale * u
+    return model
