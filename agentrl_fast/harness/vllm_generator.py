@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -46,7 +47,10 @@ class _Endpoint:
 
     def dead_error(self, detail: str) -> ServerError:
         if self.server is not None and self.server.process is not None:
-            code = self.server.process.poll()
+            try:  # a dying process closes its sockets before it can be reaped: wait a moment
+                code = self.server.process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                code = None
             if code is not None:
                 return ServerError(f"{self.server.name} exited with code {code} ({detail}); "
                                    f"log tail:\n{log_tail(self.server.log_path)}")
