@@ -109,7 +109,10 @@ def _main_job_train() -> TrainConfig:
         # One pass over each batch in four mini-batches of whole rollouts (verl's default
         # ppo_epochs=1), the old log-probs taken from the rollout: half the learning cost of two
         # epochs, learning as fast per step (docs/experiments.md).
-        mini_batches=4, epochs=1, recompute_logprobs=False,
+        mini_batches=4, epochs=1,
+        # None: the rollout's log-probs stand in when synchronous, recomputed when asynchronous
+        # (train.max_staleness > 0, whose behaviour importance weights are capped at tis_cap).
+        recompute_logprobs=None, tis_cap=2.0,
         policy_lr=1e-4, critic_lr=3e-3, gamma=1.0, kl_coef=0.0,
         # Lambda 1 through compactions: every action token's advantage is its rollout's
         # return minus the critic's value there (docs/experiments.md).

@@ -72,8 +72,13 @@ class TrainConfig:
     # (the same policy and temperature, so equal up to float rounding: the mismatch metric
     # shows it when recomputing) instead of one more forward of the policy over the batch
     # (verl's bypass mode). Needs a generator that records the policy's log-probs, as
-    # TorchGenerator does.
-    recompute_logprobs: bool = True
+    # TorchGenerator does. None: recomputed exactly when training is asynchronous.
+    recompute_logprobs: bool | None = True
+    # Asynchronous training (docs/training.md): rollouts are produced beside the learner, and a
+    # rollout is trained on only while its oldest token is at most max_staleness versions
+    # (learner steps) behind. 0: synchronous (roll out, then learn). Needs the recomputed
+    # (proximal) log-probs and tis_cap (the behaviour importance weight's cap).
+    max_staleness: int = 0
     grpo_normalize_std: bool = True
     # Dynamic sampling (DAPO): train only on task groups whose rollouts' rewards differ, rolling
     # out up to max_rollout_rounds batches of tasks_per_step tasks to find tasks_per_step of them.
@@ -101,7 +106,7 @@ class TrainConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("warmup_steps", "critic_warmup_steps", "checkpoint_every"):
+        for name in ("warmup_steps", "critic_warmup_steps", "checkpoint_every", "max_staleness"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -131,6 +136,21 @@ class TrainConfig:
                              "(without it one round fills the batch)")
         if self.algo == "grpo" and self.critic_warmup_steps:
             raise ValueError("critic_warmup_steps needs algo='ppo' (GRPO has no critic)")
+        if self.max_staleness and self.recompute_logprobs is False:
+            raise ValueError("max_staleness > 0 needs recompute_logprobs=True (or None): the "
+                             "proximal log-probs of asynchronous PPO are the learner's policy at "
+                             "the start of the step, recomputed")
+        if self.max_staleness and self.tis_cap is None:
+            raise ValueError("max_staleness > 0 needs tis_cap: each token's loss is weighted by "
+                             "min(exp(proximal - behaviour log-prob), tis_cap)")
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether the old log-probs are recomputed (``recompute_logprobs``; None: when
+        asynchronous)."""
+        if self.recompute_logprobs is None:
+            return self.max_staleness > 0
+        return self.recompute_logprobs
 
     @property
     def loss_aggregation(self) -> str:

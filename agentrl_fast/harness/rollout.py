@@ -34,7 +34,7 @@ import json
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from agentrl_fast.config.rollout import RolloutConfig  # noqa: F401  (its old home)
 from agentrl_fast.seeds import derive_seed  # noqa: F401  (its old home)
@@ -204,6 +204,71 @@ class RolloutEngine:
         self.stats.tool_seconds = self._clock.busy
         self.stats.wall_seconds = time.perf_counter() - start
         return [r.trajectory for r in rollouts]
+
+    async def astream(self, groups: Iterator[tuple[Task, int]],
+                      emit: Callable[[list[Trajectory]], None],
+                      room: Callable[[int], bool]) -> None:
+        """Rollouts without end, as the asynchronous trainer needs them: while ``room(n)``
+        (``n``: groups in flight) the next ``(task, seed)`` of ``groups`` starts a group of
+        ``samples_per_task`` rollouts; every rollout steps as in the ``"overlap"`` schedule
+        (the next generation batches whichever are ready); a group is passed to ``emit`` (its
+        trajectories in sample order) once all its rollouts are done. Returns when ``groups``
+        is exhausted and every group was emitted; cancel it to stop (in-flight groups are
+        dropped)."""
+        self.stats = RolloutStats()
+        self._clock = _ToolClock()
+        members: dict[int, list[_Rollout]] = {}
+        group_of: dict[int, int] = {}
+        ready: deque[_Rollout] = deque()
+        stepping: dict[asyncio.Task, _Rollout] = {}
+        generating: asyncio.Task | None = None
+        batch: list[_Rollout] = []
+        source, exhausted = iter(groups), False
+
+        def settle(rollout: _Rollout) -> None:  # ready for a generation, or done
+            if not rollout.done and self._prepare(rollout):
+                ready.append(rollout)
+                return
+            key = group_of.pop(id(rollout))
+            if all(r.done for r in members[key]):
+                emit([r.trajectory for r in members.pop(key)])
+                self.stats.episodes += self.config.samples_per_task
+
+        while True:
+            while not exhausted and room(len(members)):
+                try:
+                    task, seed = next(source)
+                except StopIteration:
+                    exhausted = True
+                    break
+                key = len(group_of) + len(members) * 0 + id(task) if False else seed
+                members[key] = [self._start(task, sample, seed)
+                                for sample in range(self.config.samples_per_task)]
+                for rollout in members[key]:
+                    group_of[id(rollout)] = key
+                for rollout in list(members[key]):
+                    settle(rollout)
+            if generating is None and ready:
+                batch = list(ready)
+                ready.clear()
+                generating = asyncio.ensure_future(self._generate(batch))
+            waiting = set(stepping) | ({generating} if generating is not None else set())
+            if not waiting:
+                if exhausted and not members:
+                    return
+                await asyncio.sleep(0.02)  # no room: the consumer frees it from another thread
+                continue
+            finished, _ = await asyncio.wait(waiting, timeout=0.05,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            for task in finished:
+                if task is generating:
+                    for rollout, generation in zip(batch, task.result()):
+                        stepping[asyncio.ensure_future(self._step(rollout, generation))] = rollout
+                    generating = None
+                else:
+                    rollout = stepping.pop(task)
+                    task.result()
+                    settle(rollout)
 
     def prompt_ids(self, task: Task) -> list[int]:
         """The ids a rollout of ``task`` starts from: system prompt, tools header, task,

@@ -38,12 +38,19 @@ from agentrl_fast.models.wrappers import unwrap
 from agentrl_fast.harness.vllm_server import ServerError, VLLMServer, log_tail
 
 
+_CONNECTION_TRIES = 3  # of a request whose connection failed (not timed out)
+
+
 class _Endpoint:
     def __init__(self, base_url: str, server: VLLMServer | None):
         self.base_url = base_url.rstrip("/")
         self.server = server
         self.outstanding = 0  # requests in flight
         self.requests = 0  # sent, over the generator's life
+
+    def exited(self) -> bool:
+        return (self.server is not None and self.server.process is not None
+                and self.server.process.poll() is not None)
 
     def dead_error(self, detail: str) -> ServerError:
         if self.server is not None and self.server.process is not None:
@@ -140,11 +147,19 @@ class VLLMGenerator:
                        body: Any = None, timeout: float | None = None):
         import httpx
 
-        try:
-            response = await self._client.request(method, endpoint.base_url + path, json=body,
-                                                   timeout=timeout or self.timeout)
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as error:
-            raise endpoint.dead_error(f"{type(error).__name__}: {error}") from None
+        for attempt in range(_CONNECTION_TRIES):
+            try:
+                response = await self._client.request(method, endpoint.base_url + path,
+                                                       json=body, timeout=timeout or self.timeout)
+                break
+            except httpx.TimeoutException:
+                raise
+            except httpx.TransportError as error:
+                # A kept-alive connection the server closed as it was reused fails once;
+                # a server that keeps failing is gone.
+                if endpoint.exited() or attempt == _CONNECTION_TRIES - 1:
+                    raise endpoint.dead_error(f"{type(error).__name__}: {error}") from None
+                await asyncio.sleep(0.25 * (attempt + 1))
         if response.status_code >= 400:
             detail = response.text[:500]
             if response.status_code < 500:

@@ -22,9 +22,14 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Sequence
 
-# Flags every server gets; ``args`` come after them and win (argparse keeps the last).
+# Flags every server gets; ``args`` come after them and win (argparse keeps the last). Chunked
+# prefill is off: vLLM 0.32's CPU worker crashes ("CPU Generator does not use offset") when a
+# seeded request's prefill is split over steps; whole prefills need a token budget of at least
+# the model length per step.
 SERVER_ARGS = ("--dtype", "float32", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
-               "--max-model-len", "2048", "--disable-log-stats", "--uvicorn-log-level", "warning")
+               "--max-model-len", "2048", "--no-enable-chunked-prefill",
+               "--max-num-batched-tokens", "16384", "--disable-log-stats",
+               "--uvicorn-log-level", "warning")
 
 
 class ServerError(RuntimeError):

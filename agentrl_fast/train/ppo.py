@@ -38,6 +38,8 @@ from agentrl_fast.train.distributed import World, full_state_dict, local_plan, r
 from agentrl_fast.train.models import Models, build_models, build_optimizers, check_world
 from agentrl_fast.train.overlap import CriticOverlap
 from agentrl_fast.train.packing import rollout_index_map
+from agentrl_fast.train.producer import (consume, importance_metrics, staleness_metrics,
+                                         start_producer)
 from agentrl_fast.train.scoring import Scores, logprob_mismatch, policy_scores, score
 from agentrl_fast.train.state import (export_models, load_trainer_state, resume,
                                       save_trainer_checkpoint, trainer_state)
@@ -103,8 +105,12 @@ class Trainer:
         if config.tasks_per_step > len(self.tasks):
             raise ValueError(f"tasks_per_step ({config.tasks_per_step}) exceeds the "
                              f"{len(self.tasks)} train tasks of {environment.name!r}")
+        self.consumed_ahead: set[int] = set()  # asynchronous: consumed groups past data_position
         if config.checkpoint_dir:
             resume(self)
+        self.producer = None
+        if config.max_staleness:
+            self.producer = start_producer(self, custom_generator=generator is not None)
 
     @property
     def models(self) -> Models:
@@ -152,6 +158,8 @@ class Trainer:
         one round, all trained on; with it, rounds until ``tasks_per_step`` groups whose rewards
         differ are found (or ``max_rollout_rounds``), the first ``tasks_per_step`` kept."""
         config = self.config
+        if self.producer is not None:
+            return self._take()
         if not config.filter_groups:
             batch = self._rollouts(0)
             return batch, [t for t in batch if t.error is None], 1
@@ -163,6 +171,26 @@ class Trainer:
             if len(kept) >= config.tasks_per_step:
                 break
         return every, [t for g in kept[:config.tasks_per_step] for t in g], round_index + 1
+
+    def _take(self) -> tuple[list[Trajectory], list[Trajectory], int]:
+        """Asynchronous: the next ``tasks_per_step`` finished groups from the producer (stale
+        ones, and with ``filter_groups`` those whose rewards agree, dropped and counted)."""
+        accept = None
+        if self.config.filter_groups:
+            accept = lambda g: bool(groups_with_signal(g.trajectories))  # noqa: E731
+        kept, dropped, waited = self.producer.take(self.config.tasks_per_step,
+                                                   self.config.max_staleness, self.step_index,
+                                                   accept)
+        self.data_position = consume(self.data_position, self.consumed_ahead,
+                                     [g.position for g in kept + dropped])
+        stale = sum(self.step_index - g.oldest_version() > self.config.max_staleness
+                    for g in dropped)
+        self._async_metrics = {"learner_wait_seconds": waited, "stale_groups_dropped": stale,
+                               "filtered_groups_dropped": len(dropped) - stale,
+                               "buffer_groups": self.producer.fill(),
+                               "policy_version": self.step_index}
+        every = [t for g in kept + dropped for t in g.trajectories]
+        return every, [t for g in kept for t in g.trajectories if t.error is None], 1
 
     def _rollouts(self, round_index: int) -> list[Trajectory]:
         """One batch of rollouts: ``tasks_per_step`` new tasks x ``samples_per_task``, in task
@@ -190,8 +218,12 @@ class Trainer:
         old, ref, values, last = self._score(sub_traces, rollout_index)
         if self.world is not None:
             metrics.update(rank_token_metrics(self.world, [len(s) for s in sub_traces]))
-        if config.recompute_logprobs:
+        if config.recomputes:
             metrics.update(logprob_mismatch(sub_traces, old))
+        if self.producer is not None:
+            metrics.update(self._async_metrics)
+            metrics.update(staleness_metrics(sub_traces, self.step_index, config.max_staleness))
+            metrics.update(importance_metrics(sub_traces, old, config.tis_cap))
         rewards = [torch.tensor(s.rewards) for s in sub_traces]
         if self.reference is not None:
             kl, metrics["kl_ref"] = reference_kl(sub_traces, old, ref)
@@ -220,7 +252,7 @@ class Trainer:
             return score(self.models, sub_traces, rollout_index,
                          self._plan(sub_traces, range(len(sub_traces))), device=self.device,
                          temperature=self.temperature,
-                         recompute_logprobs=self.config.recompute_logprobs, world=self.world,
+                         recompute_logprobs=self.config.recomputes, world=self.world,
                          beside=beside)
 
     def _update(self, sub_traces, rollout_index, old, ref, values, advantages, returns):
@@ -236,7 +268,16 @@ class Trainer:
         copied into the whole policy rollouts run on."""
         if self.rollout_policy is not unwrap(self.policy):
             self.rollout_policy.load_state_dict(full_state_dict(self.policy, self.world))
-        self.engine.generator.update_weights(self.rollout_policy)
+        if getattr(self, "producer", None) is not None:  # its next generate call swaps them in
+            self.producer.publish(self.rollout_policy, self.step_index)
+        else:
+            self.engine.generator.update_weights(self.rollout_policy)
+
+    def close(self) -> None:
+        """Stop the asynchronous rollout producer (a no-op when synchronous)."""
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
 
     # -- checkpoints (agentrl_fast.train.state) ------------------------------------------------
 

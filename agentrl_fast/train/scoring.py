@@ -27,7 +27,7 @@ class Scores(NamedTuple):
 def policy_scores(models: Models, config) -> bool:
     """Whether the policy (or the reference) has scoring to do: the critic then scores beside
     it (``config``: a TrainConfig)."""
-    return (config.recompute_logprobs or models.value_head is not None
+    return (config.recomputes or models.value_head is not None
             or models.reference is not None)
 
 

@@ -1,0 +1,254 @@
+"""Rollouts beside the learner (asynchronous training, ``TrainConfig.max_staleness > 0``).
+
+A :class:`RolloutProducer` runs the rollout engine's endless stream
+(:meth:`~agentrl_fast.harness.rollout.RolloutEngine.astream`) in a thread of its own, on a
+generator with its own copy of the weights, into a buffer of finished task groups. The learner
+takes whole groups in the order they were started (:meth:`RolloutProducer.take`) and publishes
+new weights after each step (:meth:`RolloutProducer.publish`); the producer swaps them in
+between two generate calls, so a rollout's turns may come from several versions (partial
+rollouts: each token keeps the version and log-prob it was sampled with; a turn is never split).
+
+Versions: the learner's step count. The producer holds back new groups while the buffer and
+the groups in flight reach ``capacity`` (``max_staleness x tasks_per_step`` groups), so a group
+is rarely more than ``max_staleness`` versions old when it is trained on; the learner drops
+(and counts) any that is.
+
+Positions: group ``p`` of the stream is task ``task_at(p)`` with seed ``derive_seed(seed,
+"group", p)``. Groups finish out of order and the learner takes the finished ones lowest
+position first; its checkpoint holds the positions it consumed (trained on or dropped as
+stale): the first it has not, and those after it that it has. On resume the stream restarts at
+the first and skips the others, so the groups that were buffered or in flight are regenerated
+(with the resumed weights), none consumed is repeated and none is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from agentrl_fast.harness.generation import Generation, Generator
+from agentrl_fast.harness.rollout import RolloutEngine
+from agentrl_fast.harness.trajectory import Trajectory
+from agentrl_fast.seeds import derive_seed
+
+
+def task_at(tasks: Sequence, position: int, seed: int):
+    """The task of stream position ``position``: a seeded order of ``tasks``, a new one each
+    pass."""
+    epoch, offset = divmod(position, len(tasks))
+    order = torch.randperm(len(tasks), generator=torch.Generator().manual_seed(
+        derive_seed(seed, "tasks", epoch)))
+    return tasks[int(order[offset])]
+
+
+@dataclasses.dataclass
+class Group:
+    """A finished task group: its stream position and trajectories (sample order)."""
+
+    position: int
+    trajectories: list[Trajectory]
+
+    def oldest_version(self) -> int:
+        versions = [v for t in self.trajectories for s in t.sub_traces
+                    for v in s.action_versions()]
+        return min(versions, default=2 ** 62)  # no action token: never stale
+
+
+class _VersionedGenerator:
+    """The producer's generator: new weights are swapped in before a generate call, and each
+    generation is stamped with the version that sampled it."""
+
+    def __init__(self, inner: Generator, producer: "RolloutProducer"):
+        self.inner, self.producer = inner, producer
+
+    def generate(self, prompts, sampling, seeds=None) -> list[Generation]:
+        version = self.producer.swap_weights()
+        return [dataclasses.replace(g, version=version)
+                for g in self.inner.generate(prompts, sampling, seeds)]
+
+
+class RolloutProducer:
+    """See the module doc. ``engine``'s generator samples from ``model`` (the producer's own
+    copy of the policy; for a :class:`~agentrl_fast.harness.generation.TorchGenerator` it is the
+    generator's model); ``tasks``: the train split; ``start``: the first stream position;
+    ``version``: the weights' version now; ``capacity``: groups buffered or in flight at most."""
+
+    def __init__(self, engine: RolloutEngine, model: torch.nn.Module, tasks: Sequence, *,
+                 seed: int, start: int, skip: Sequence[int] = (), version: int, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 group, got {capacity}")
+        self.engine, self.model, self.tasks, self.seed = engine, model, list(tasks), seed
+        self.capacity, self.version = capacity, version
+        self.inner = engine.generator
+        engine.generator = _VersionedGenerator(self.inner, self)
+        self.buffer: list[Group] = []
+        self._next, self._skip = start, set(skip)  # the stream's next position (producer's)
+        self._positions: dict[int, int] = {}  # group seed -> position, while in flight
+        self._cond = threading.Condition()
+        self._pending: tuple[dict, int] | None = None
+        self._error: BaseException | None = None
+        self.generated_tokens = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="agentrl_fast-rollouts")
+        self._thread.start()
+
+    # -- the producer thread ----------------------------------------------------------------
+
+    def _groups(self):
+        while True:
+            position, self._next = self._next, self._next + 1
+            if position in self._skip:
+                continue
+            seed = derive_seed(self.seed, "group", position)
+            self._positions[seed] = position
+            yield task_at(self.tasks, position, self.seed), seed
+
+    def _emit(self, trajectories: list[Trajectory]) -> None:
+        position = self._positions.pop(int(trajectories[0].rollout_id.split("/", 1)[0]))
+        with self._cond:
+            self.buffer.append(Group(position, trajectories))
+            self.generated_tokens += sum(t.metrics["generated_tokens"] for t in trajectories)
+            self._cond.notify_all()
+
+    def _room(self, in_flight: int) -> bool:
+        with self._cond:
+            return len(self.buffer) + in_flight < self.capacity
+
+    def _run(self) -> None:
+        # Intra-op threads are per thread under OpenMP: half for the producer, half remain
+        # the learner's.
+        torch.set_num_threads(max(torch.get_num_threads() // 2, 1))
+
+        async def main():
+            self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+            await self.engine.astream(self._groups(), self._emit, self._room)
+        try:
+            asyncio.run(main())
+        except asyncio.CancelledError:
+            pass
+        except BaseException as error:  # noqa: BLE001 — raised in the learner by take()
+            with self._cond:
+                self._error = error
+                self._cond.notify_all()
+
+    def swap_weights(self) -> int:
+        """In the producer thread, before a generate call: the newest published weights."""
+        with self._cond:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            state, version = pending
+            self.model.load_state_dict(state)
+            self.inner.update_weights(self.model)
+            self.version = version
+        return self.version
+
+    # -- the learner's side ----------------------------------------------------------------
+
+    def publish(self, policy: torch.nn.Module, version: int) -> None:
+        """New weights (a snapshot of ``policy``'s, taken now) for the next generate call."""
+        state = {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()}
+        with self._cond:
+            self._pending = (state, version)
+
+    def take(self, count: int, max_lag: int, learner_version: int, accept=None
+             ) -> tuple[list[Group], list[Group], float]:
+        """``(kept, dropped, waited_seconds)``: finished groups, lowest position first, until
+        ``count`` are kept: a group whose oldest token is more than ``max_lag`` versions behind
+        ``learner_version``, or that ``accept(group)`` refuses, is dropped (returned, to be
+        counted)."""
+        kept, dropped, start = [], [], time.perf_counter()
+        with self._cond:
+            while len(kept) < count:
+                if self._error is not None:
+                    raise RuntimeError("the rollout producer failed") from self._error
+                if not self.buffer:
+                    self._cond.wait(timeout=1.0)
+                    continue
+                group = min(self.buffer, key=lambda g: g.position)
+                self.buffer.remove(group)
+                stale = learner_version - group.oldest_version() > max_lag
+                ok = not stale and (accept is None or accept(group))
+                (kept if ok else dropped).append(group)
+        return kept, dropped, time.perf_counter() - start
+
+    def fill(self) -> int:
+        with self._cond:
+            return len(self.buffer)
+
+    def close(self) -> None:
+        if self._loop is not None and self._task is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(timeout=30)
+        self.engine.generator = self.inner
+
+
+def staleness_metrics(sub_traces: Sequence, learner_version: int,
+                      max_staleness: int) -> dict[str, float]:
+    """Trained action tokens per version lag (``staleness_lag_<k>``, k = 0..max_staleness)
+    and the largest lag."""
+    counts = [0] * (max_staleness + 1)
+    worst = 0
+    for s in sub_traces:
+        for version in s.action_versions():
+            lag = learner_version - version
+            counts[min(lag, max_staleness)] += 1
+            worst = max(worst, lag)
+    out = {f"staleness_lag_{k}": float(c) for k, c in enumerate(counts)}
+    out["staleness_max"] = float(worst)
+    return out
+
+
+def importance_metrics(sub_traces: Sequence, proximal: Sequence[torch.Tensor],
+                       cap: float) -> dict[str, float]:
+    """The behaviour importance weights ``exp(proximal - behaviour)`` on action tokens: mean,
+    max and the fraction the cap cut (``is_weight_*``)."""
+    weights = [torch.exp(p - torch.tensor(s.logprobs))[torch.tensor(s.action_mask, dtype=torch.bool)]
+               for s, p in zip(sub_traces, proximal)]
+    w = torch.cat(weights) if weights else torch.zeros(0)
+    if w.numel() == 0:
+        return {"is_weight_mean": 1.0, "is_weight_max": 1.0, "is_weight_capped": 0.0}
+    return {"is_weight_mean": float(w.mean()), "is_weight_max": float(w.max()),
+            "is_weight_capped": float((w > cap).float().mean())}
+
+
+def consume(position: int, consumed: set[int], positions: Sequence[int]) -> int:
+    """Mark ``positions`` consumed; returns the new first unconsumed position (``consumed``
+    keeps only those beyond it)."""
+    consumed.update(positions)
+    while position in consumed:
+        consumed.discard(position)
+        position += 1
+    return position
+
+
+def start_producer(trainer, custom_generator: bool) -> RolloutProducer:
+    """The producer of an asynchronous ``trainer`` (after any resume): its own copy of the
+    rollout policy, on the trainer's generator when one was given (it gets the copy's weights
+    through ``update_weights``), else a TorchGenerator on the copy."""
+    from agentrl_fast.harness.generation import TorchGenerator
+    from agentrl_fast.models.wrappers import unwrap
+
+    config = trainer.config
+    if trainer.world is not None:
+        raise ValueError("train.max_staleness > 0 runs on one process for now; under torchrun "
+                         "use max_staleness=0 (docs/training.md, asynchronous training)")
+    model = copy.deepcopy(unwrap(trainer.rollout_policy)).eval().requires_grad_(False)
+    if custom_generator:
+        generator = trainer.engine.generator
+    else:
+        pad_id = trainer.chat_format.tokenizer.pad_token_id
+        generator = TorchGenerator(model, pad_id=0 if pad_id is None else pad_id)
+    engine = RolloutEngine(generator, trainer.chat_format, trainer.environment, config.rollout,
+                           memory=trainer.memory)
+    return RolloutProducer(engine, model, trainer.tasks, seed=config.seed,
+                           start=trainer.data_position, skip=sorted(trainer.consumed_ahead),
+                           version=trainer.step_index,
+                           capacity=config.max_staleness * config.tasks_per_step)
