@@ -223,14 +223,17 @@ class RolloutEngine:
         stepping: dict[asyncio.Task, _Rollout] = {}
         generating: asyncio.Task | None = None
         batch: list[_Rollout] = []
-        source, exhausted = iter(groups), False
+        source, exhausted, started = iter(groups), False, 0
+        left: dict[int, int] = {}  # rollouts of a group not yet settled as done
 
         def settle(rollout: _Rollout) -> None:  # ready for a generation, or done
             if not rollout.done and self._prepare(rollout):
                 ready.append(rollout)
                 return
             key = group_of.pop(id(rollout))
-            if all(r.done for r in members[key]):
+            left[key] -= 1
+            if not left[key]:  # the group's last rollout settled
+                del left[key]
                 emit([r.trajectory for r in members.pop(key)])
                 self.stats.episodes += self.config.samples_per_task
 
@@ -241,9 +244,10 @@ class RolloutEngine:
                 except StopIteration:
                     exhausted = True
                     break
-                key = len(group_of) + len(members) * 0 + id(task) if False else seed
+                key, started = started, started + 1
                 members[key] = [self._start(task, sample, seed)
                                 for sample in range(self.config.samples_per_task)]
+                left[key] = len(members[key])
                 for rollout in members[key]:
                     group_of[id(rollout)] = key
                 for rollout in list(members[key]):

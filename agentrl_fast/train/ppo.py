@@ -87,6 +87,7 @@ class Trainer:
         self.overlap = CriticOverlap(config.overlap_critic and world is None
                                      and self.device.type == "cpu")
         self.memory = memory if memory is not None else MemoryStore()
+        custom_generator = generator is not None
         if generator is None:
             pad_id = chat_format.tokenizer.pad_token_id
             generator = TorchGenerator(self.rollout_policy, pad_id=0 if pad_id is None else pad_id)
@@ -110,7 +111,8 @@ class Trainer:
             resume(self)
         self.producer = None
         if config.max_staleness:
-            self.producer = start_producer(self, custom_generator=generator is not None)
+            self.producer = start_producer(self, custom_generator=custom_generator)
+            self._started = time.perf_counter()
 
     @property
     def models(self) -> Models:
@@ -185,7 +187,12 @@ class Trainer:
                                      [g.position for g in kept + dropped])
         stale = sum(self.step_index - g.oldest_version() > self.config.max_staleness
                     for g in dropped)
-        self._async_metrics = {"learner_wait_seconds": waited, "stale_groups_dropped": stale,
+        now, tokens = time.perf_counter(), self.producer.generated_tokens
+        since, before = getattr(self, "_last_take", (self._started, 0))
+        self._last_take = (now, tokens)
+        self._async_metrics = {"rollout_tokens_per_second": (tokens - before)
+                               / max(now - since, 1e-9),
+                               "learner_wait_seconds": waited, "stale_groups_dropped": stale,
                                "filtered_groups_dropped": len(dropped) - stale,
                                "buffer_groups": self.producer.fill(),
                                "policy_version": self.step_index}

@@ -68,6 +68,9 @@ class _VersionedGenerator:
         self.inner, self.producer = inner, producer
 
     def generate(self, prompts, sampling, seeds=None) -> list[Generation]:
+        # The engine calls this in a worker thread; intra-op threads are per thread (OpenMP):
+        # half the cores, the other half the learner's.
+        torch.set_num_threads(self.producer.threads)
         version = self.producer.swap_weights()
         return [dataclasses.replace(g, version=version)
                 for g in self.inner.generate(prompts, sampling, seeds)]
@@ -85,6 +88,7 @@ class RolloutProducer:
             raise ValueError(f"capacity must be >= 1 group, got {capacity}")
         self.engine, self.model, self.tasks, self.seed = engine, model, list(tasks), seed
         self.capacity, self.version = capacity, version
+        self.threads = max(torch.get_num_threads() // 2, 1)
         self.inner = engine.generator
         engine.generator = _VersionedGenerator(self.inner, self)
         self.buffer: list[Group] = []
@@ -96,6 +100,7 @@ class RolloutProducer:
         self.generated_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        self._ready, self._stopping = threading.Event(), False
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="agentrl_fast-rollouts")
         self._thread.start()
@@ -123,12 +128,11 @@ class RolloutProducer:
             return len(self.buffer) + in_flight < self.capacity
 
     def _run(self) -> None:
-        # Intra-op threads are per thread under OpenMP: half for the producer, half remain
-        # the learner's.
-        torch.set_num_threads(max(torch.get_num_threads() // 2, 1))
-
         async def main():
             self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+            self._ready.set()
+            if self._stopping:
+                return
             await self.engine.astream(self._groups(), self._emit, self._room)
         try:
             asyncio.run(main())
@@ -184,9 +188,14 @@ class RolloutProducer:
             return len(self.buffer)
 
     def close(self) -> None:
-        if self._loop is not None and self._task is not None and not self._loop.is_closed():
+        """Stop the stream (groups in flight are dropped) and wait for the thread."""
+        self._stopping = True
+        self._ready.wait(timeout=30)  # the loop exists (close may come right after the start)
+        try:
             self._loop.call_soon_threadsafe(self._task.cancel)
-        self._thread.join(timeout=30)
+        except RuntimeError:  # the loop already ended
+            pass
+        self._thread.join(timeout=60)
         self.engine.generator = self.inner
 
 

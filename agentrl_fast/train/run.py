@@ -319,10 +319,17 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
             bar.set_postfix(reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
                             kl=f"{metrics.get('approx_kl', 0.0):.1e}",
                             clip=f"{metrics.get('clipfrac', 0.0):.2f}",
-                            tok_s=f"{metrics['tokens_per_second']:.0f}")
+                            tok_s=f"{metrics['tokens_per_second']:.0f}",
+                            **({"wait": f"{metrics['learner_wait_seconds']:.1f}s",
+                                "buf": metrics["buffer_groups"],
+                                "roll_tok_s": f"{metrics['rollout_tokens_per_second']:.0f}"}
+                               if "buffer_groups" in metrics else {}))
             bar.update(1)
 
-    trainer.train(callback=on_step)
+    try:
+        trainer.train(callback=on_step)
+    finally:
+        trainer.close()  # the asynchronous rollout producer, if any
     if bar is not None:
         bar.close()
     final_exists = (run_dir / "checkpoints" / f"step-{trainer.step_index:09d}").exists()

@@ -23,6 +23,7 @@ def trainer_state(trainer) -> dict[str, Any]:
              "policy_optimizer": trainer.policy_optimizer.state_dict(),
              "policy_scheduler": trainer.policy_scheduler.state_dict(),
              "trainer": {"step": trainer.step_index, "data_position": trainer.data_position,
+                         "consumed_ahead": sorted(trainer.consumed_ahead),
                          "kl_coef": trainer.kl_coef},
              "rng": rng_state(),
              "memory": trainer.memory.snapshot()}
@@ -58,6 +59,7 @@ def plain_state(trainer) -> dict[str, Any]:
     """Everything else (rank 0's): schedulers, progress, random streams."""
     state = {"policy_scheduler": trainer.policy_scheduler.state_dict(),
              "trainer": {"step": trainer.step_index, "data_position": trainer.data_position,
+                         "consumed_ahead": sorted(trainer.consumed_ahead),
                          "kl_coef": trainer.kl_coef,
                          "world_size": trainer.world.size if trainer.world is not None else 1},
              "rng": rng_state()}
@@ -118,6 +120,8 @@ def load_trainer_state(trainer, state: dict[str, Any]) -> None:
 def _restore_progress(trainer, progress: dict[str, Any]) -> None:
     trainer.step_index, trainer.data_position = progress["step"], progress["data_position"]
     trainer.kl_coef = progress["kl_coef"]
+    # Asynchronous runs: groups consumed past data_position (absent in older checkpoints).
+    trainer.consumed_ahead = set(progress.get("consumed_ahead", ()))
 
 
 def export_models(trainer, directory: str | Path) -> Path:

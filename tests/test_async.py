@@ -1,0 +1,220 @@
+"""Asynchronous training (``TrainConfig.max_staleness > 0``): rollouts produced beside the
+learner, per-token versions, the staleness bound, partial rollouts across a weight update,
+decoupled PPO against a float64 reference, and resume with no group lost or repeated."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from agentrl_fast.harness import (ChatFormat, RolloutConfig, SamplingParams, TorchGenerator,
+                                  VaultEnvironment, build_tokenizer)
+from agentrl_fast.models.attention import use_packed_attention
+from agentrl_fast.models.critic import policy_logprobs
+from agentrl_fast.models.tiny import tiny_qwen3, with_token_bias
+from agentrl_fast.ops import ppo_loss
+from agentrl_fast.train import TrainConfig, Trainer
+from agentrl_fast.train.producer import consume, task_at
+
+
+@pytest.fixture(scope="module")
+def chat():
+    env = VaultEnvironment()
+    return ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
+
+
+def policy_for(chat, seed=0):
+    """The tiny Qwen3, LM head biased to the stop tokens so turns are short and varied."""
+    model = tiny_qwen3(len(chat.tokenizer), seed=seed)
+    return with_token_bias(model, {chat.tool_call_close_id: 4.0, chat.im_end_id: 3.0})
+
+
+def config(**overrides):
+    base = dict(steps=3, tasks_per_step=3, micro_batch_tokens=512, mini_batches=2,
+                policy_lr=1e-3, critic_lr=1e-2, kl_coef=0.0, recompute_logprobs=True,
+                tis_cap=2.0, max_staleness=1,
+                rollout=RolloutConfig(samples_per_task=2, context_budget=240, max_turns=6,
+                                      summary_chars=100,
+                                      sampling=SamplingParams(temperature=1.0,
+                                                              max_new_tokens=20)))
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def test_max_staleness_zero_is_the_synchronous_trainer(chat):
+    runs = []
+    for fields in ({}, {"max_staleness": 0}):
+        trainer = Trainer(policy_for(chat), chat, VaultEnvironment(),
+                          config(steps=2, **{"max_staleness": 0, **fields}))
+        assert trainer.producer is None
+        runs.append(trainer.train())
+    for a, b in zip(*runs):
+        assert {k: v for k, v in a.items() if "second" not in k} == \
+               {k: v for k, v in b.items() if "second" not in k}
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_no_trained_token_is_older_than_max_staleness(chat, max_staleness):
+    trainer = Trainer(policy_for(chat), chat, VaultEnvironment(),
+                      config(steps=4, max_staleness=max_staleness))
+    seen = []
+    learn = trainer._learn
+
+    def checked(trajectories, sub_traces):
+        lags = [trainer.step_index - v for s in sub_traces for v in s.action_versions()]
+        seen.append(max(lags))
+        assert min(lags) >= 0 and max(lags) <= max_staleness
+        return learn(trajectories, sub_traces)
+    trainer._learn = checked
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    assert len(seen) == 4 and len(history) == 4
+    for metrics in history:
+        assert metrics["staleness_max"] <= max_staleness
+        assert sum(metrics[f"staleness_lag_{k}"] for k in range(max_staleness + 1)) > 0
+        assert 0.0 < metrics["is_weight_mean"] and metrics["is_weight_capped"] <= 1.0
+        assert metrics["policy_version"] == metrics["step"] - 1
+    assert max(seen) >= 1, "the producer never ran ahead of the learner"
+
+
+class _Switching:
+    """A TorchGenerator whose second call publishes new weights to the producer (a forced
+    weight change in the middle of every episode of the first group)."""
+
+    def __init__(self, inner, trainer, moved):
+        self.inner, self.trainer, self.moved, self.calls = inner, trainer, moved, 0
+
+    def generate(self, prompts, sampling, seeds=None):
+        self.calls += 1
+        if self.calls == 2:
+            self.trainer.producer.publish(self.moved, version=1)
+        return self.inner.generate(prompts, sampling, seeds)
+
+    def update_weights(self, model):
+        self.inner.update_weights(model)
+
+
+def test_a_rollout_across_a_weight_update_keeps_both_versions_and_log_probs(chat):
+    policy = policy_for(chat)
+    moved = copy.deepcopy(policy)
+    with torch.no_grad():
+        for parameter in moved.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    trainer = Trainer(policy, chat, VaultEnvironment(), config(max_staleness=2, steps=1))
+    producer = trainer.producer
+    producer.close()  # restart it on a generator that switches weights mid-episode
+    model = copy.deepcopy(policy).eval()
+    generator = _Switching(TorchGenerator(model, pad_id=chat.tokenizer.pad_token_id or 0),
+                           trainer, moved)
+    from agentrl_fast.harness import RolloutEngine
+    from agentrl_fast.train.producer import RolloutProducer
+    engine = RolloutEngine(generator, chat, trainer.environment, trainer.config.rollout,
+                           memory=trainer.memory)
+    trainer.producer = RolloutProducer(engine, model, trainer.tasks, seed=0, start=0,
+                                       version=0, capacity=1)
+    try:
+        kept, _, _ = trainer.producer.take(1, max_lag=2, learner_version=1)
+    finally:
+        trainer.close()
+    both = [s for t in kept[0].trajectories for s in t.sub_traces
+            if set(s.action_versions()) == {0, 1}]
+    assert both, "no sub-trace spans the weight update"
+    packed = {0: use_packed_attention(copy.deepcopy(policy)),
+              1: use_packed_attention(copy.deepcopy(moved))}
+    for s in both:
+        ids = torch.tensor(s.ids)
+        cu = torch.tensor([0, len(ids)], dtype=torch.int32)
+        for version, model in packed.items():
+            with torch.no_grad():
+                logp = policy_logprobs(model, ids[None], torch.arange(len(ids))[None], cu,
+                                       len(ids), temperature=1.0)
+            mine = [i for i, v in enumerate(s.versions) if v == version and s.action_mask[i]]
+            torch.testing.assert_close(logp[mine], torch.tensor(s.logprobs)[mine],
+                                       atol=1e-4, rtol=0)
+
+
+def test_decoupled_ppo_loss_equals_a_float64_reference():
+    """AReaL's decoupled PPO: r = exp(l - p) in the clipped objective, each token's loss
+    times w = min(exp(p - b), cap): ppo_loss with old = proximal p, rollout = behaviour b."""
+    gen = torch.Generator().manual_seed(0)
+    n = 37
+    current = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
+    proximal = current + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)
+    behaviour = proximal + 0.5 * torch.randn(n, generator=gen, dtype=torch.float64)
+    advantages = torch.randn(n, generator=gen, dtype=torch.float64)
+    mask = torch.rand(n, generator=gen) > 0.2
+    low, high, cap = 0.2, 0.28, 2.0
+    logp = current.clone().requires_grad_(True)
+    loss, _ = ppo_loss(logp, proximal, advantages, mask, clip_low=low, clip_high=high,
+                       rollout_logprobs=behaviour, tis_cap=cap)
+    loss.backward()
+    want = 0.0
+    for i in range(n):
+        if not mask[i]:
+            continue
+        r = math.exp(current[i] - proximal[i])
+        a = float(advantages[i])
+        pg = max(-a * r, -a * min(max(r, 1 - low), 1 + high))
+        want += min(math.exp(proximal[i] - behaviour[i]), cap) * pg
+    want /= int(mask.sum())  # token-mean
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-12, abs=1e-12)
+    # d/dl of w * max(-a r, -a clip(r)): w * -a * r where the unclipped term is taken
+    ref = current.clone().requires_grad_(True)
+    r = torch.exp(ref - proximal)
+    pg = torch.maximum(-advantages * r, -advantages * torch.clamp(r, 1 - low, 1 + high))
+    w = torch.clamp(torch.exp(proximal - behaviour), max=cap)
+    (torch.where(mask, w * pg, 0).sum() / mask.sum()).backward()
+    torch.testing.assert_close(logp.grad, ref.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_consumed_positions_compact_and_the_stream_is_seeded():
+    consumed: set[int] = set()
+    assert consume(0, consumed, [1, 3]) == 0 and consumed == {1, 3}
+    assert consume(0, consumed, [0]) == 2 and consumed == {3}
+    assert consume(2, consumed, [2]) == 4 and consumed == set()
+    tasks = list(range(10))
+    assert [task_at(tasks, p, 0) for p in range(10)] == [task_at(tasks, p, 0) for p in range(10)]
+    assert sorted(task_at(tasks, p, 0) for p in range(10)) == tasks  # a permutation per pass
+
+
+def test_resume_loses_and_repeats_no_group(chat, tmp_path):
+    """Two steps, a checkpoint each, then the trainer is dropped with groups buffered and in
+    flight (as by SIGKILL); a new trainer resumes: every position is consumed exactly once."""
+    cfg = config(steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=1, max_staleness=2)
+    first = Trainer(policy_for(chat), chat, VaultEnvironment(), cfg)
+    taken = []
+    take = first.producer.take
+
+    def recording(*args, **kwargs):
+        kept, dropped, waited = take(*args, **kwargs)
+        taken.extend(g.position for g in kept + dropped)
+        return kept, dropped, waited
+    first.producer.take = recording
+    first.train()
+    first.close()  # groups buffered or in flight are lost with the process
+    second = Trainer(policy_for(chat), chat, VaultEnvironment(),
+                     config(steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=1,
+                            max_staleness=2))
+    assert second.step_index == 2
+    assert second.data_position + len(second.consumed_ahead) == len(taken)
+    later = []
+    take2 = second.producer.take
+
+    def recording2(*args, **kwargs):
+        kept, dropped, waited = take2(*args, **kwargs)
+        later.extend(g.position for g in kept + dropped)
+        return kept, dropped, waited
+    second.producer.take = recording2
+    try:
+        second.train()
+    finally:
+        second.close()
+    assert not set(taken) & set(later), "a consumed group was trained on again"
+    assert len(later) == len(set(later))
+    # Nothing lost: every position below the first unconsumed one was consumed by one of them
+    # (groups in flight at the "crash", skipped by the first trainer, by the second).
+    consumed = set(range(second.data_position)) | second.consumed_ahead
+    assert set(taken) | set(later) == consumed
