@@ -209,7 +209,7 @@ def test_resume_loses_and_repeats_no_group(chat, tmp_path):
         return kept, dropped, waited
     second.producer.take = recording2
     try:
-        second.train()
+        history = second.train()
     finally:
         second.close()
     assert not set(taken) & set(later), "a consumed group was trained on again"
@@ -218,3 +218,4 @@ def test_resume_loses_and_repeats_no_group(chat, tmp_path):
     # (groups in flight at the "crash", skipped by the first trainer, by the second).
     consumed = set(range(second.data_position)) | second.consumed_ahead
     assert set(taken) | set(later) == consumed
+    assert history[-1]["groups_consumed"] == len(consumed)  # the count the metrics report

@@ -53,11 +53,27 @@ def setup(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(setup, tmp_path_factory):
+def servers(setup, tmp_path_factory):
+    """Two servers of the policy, booted side by side; the second serves only the two-server
+    test."""
     python = side_env_python("vllm")
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with VLLMServer(setup[3], python=python, log_path=log) as running:
+    logs = tmp_path_factory.mktemp("vllm")
+    running = [VLLMServer(setup[3], python=python, log_path=logs / f"server{i}.log")
+               for i in range(2)]
+    try:
+        for server in running:
+            server.launch()
+        for server in running:
+            server.wait()
         yield running
+    finally:
+        for server in running:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -203,14 +219,13 @@ def test_three_ppo_steps_of_the_main_job_on_vllm(served, server, tmp_path):
     assert len(step_four) == 1 and step_four[0]["logprob_mismatch_max"] < LOGPROB_TOLERANCE
 
 
-@pytest.mark.slow
 def test_two_servers_share_the_requests_take_the_weights_and_a_dead_one_is_named(
-        served, server, tmp_path):
+        served, servers):
     """Requests spread over two servers (fewest outstanding first), a weight sync reaches both,
     and killing one mid-run ends the run with an error naming it and quoting its log."""
     _, environment, chat, policy = served
-    second = VLLMServer(server.model_dir, python=server.python, log_path=tmp_path / "second.log")
-    with second, VLLMGenerator([server, second]) as generator:
+    server, second = servers
+    with VLLMGenerator([server, second]) as generator:
         moved = copy.deepcopy(policy)
         with torch.no_grad():
             for parameter in moved.parameters():

@@ -88,6 +88,7 @@ class VLLMServer:
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path is not None else None
         self.process: subprocess.Popen | None = None
+        self._launched_at = 0.0
 
     @property
     def base_url(self) -> str:
@@ -106,6 +107,12 @@ class VLLMServer:
                 *SERVER_ARGS, *self.args]
 
     def start(self) -> "VLLMServer":
+        """Launch the server and wait until it is healthy."""
+        return self.launch().wait()
+
+    def launch(self) -> "VLLMServer":
+        """Start the server's process and return at once (:meth:`wait` for it: several servers
+        boot side by side)."""
         if self.process is not None:
             raise RuntimeError(f"{self.name} is already started")
         if self.port is None:
@@ -125,6 +132,12 @@ class VLLMServer:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env,
                                             start_new_session=True)
+        self._launched_at = time.monotonic()
+        return self
+
+    def wait(self) -> "VLLMServer":
+        """Wait for ``/health`` (``startup_timeout`` from the launch); on failure the server is
+        stopped and :class:`ServerError` raised."""
         try:
             self._wait_healthy()
         except BaseException:
@@ -133,7 +146,7 @@ class VLLMServer:
         return self
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
+        deadline = self._launched_at + self.startup_timeout
         while time.monotonic() < deadline:
             self.check_alive()
             if self.healthy(timeout=2):

@@ -195,6 +195,8 @@ class Trainer:
                                "learner_wait_seconds": waited, "stale_groups_dropped": stale,
                                "filtered_groups_dropped": len(dropped) - stale,
                                "buffer_groups": self.producer.fill(),
+                               # every group consumed so far (each exactly once, resumes included)
+                               "groups_consumed": self.data_position + len(self.consumed_ahead),
                                "policy_version": self.step_index}
         every = [t for g in kept + dropped for t in g.trajectories]
         return every, [t for g in kept for t in g.trajectories if t.error is None], 1
