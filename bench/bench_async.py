@@ -25,7 +25,8 @@ Generators (``--generators``):
   ``--vllm-python``), started once per process on an export of the warm-started policy and
   reused by every run; each Trainer pushes its policy's weights at construction and after every
   step (asynchronous: the producer pushes the published ones before its next generate call).
-  The server is a separate process, bound to all cores: it shares them with the learner.
+  The server is a separate process, bound to all cores: it shares them with the learner. It is
+  stopped once the vLLM runs are done (an idle server must not sit beside the next runs).
 * ``remote``: a STAND-IN for generation on other hardware, labelled "remote stand-in (sleeps)".
   Its tokens are the scripted expert's (``ScriptedGenerator(expert_action)``: no model, a few
   ms of CPU per call, log-prob 0 per token, every episode solved); each ``generate`` call then
@@ -83,6 +84,10 @@ Outputs: rows appended to ``<out-dir>/async.jsonl`` (learning check: ``op="async
 ``<out-dir>/async.md`` (command, date, commit, machine, tables, notes) overwritten. A run that
 other processes disturbed (over ``QUIET_CORES`` cores) is flagged, not repeated (runs are long);
 ``--wait-quiet S`` waits up to S seconds for an idle machine before each run.
+
+``--tiny``: a smoke run of about half a minute (2 steps of 2 tasks, 0 ms tools, torch unless
+``--generators`` names others, a 5-step warm-start; with ``--learning``: 10 SFT steps, 2 RL
+steps, 8 evaluation tasks).
 
 Usage (from the repository root)::
 
@@ -201,12 +206,13 @@ def torch_seconds_per_token(config, chat, policy) -> float:
 
 
 class Generators:
-    """The generators of the sweep, made on first use: the vLLM server is started once (on an
-    export of ``policy``) and stopped by ``close``."""
+    """The sweep's generators, made when first asked for; the vLLM server is started on an
+    export of ``policy`` and stopped by ``release("vllm")`` (an idle server must not share the
+    cores with the next generator's runs)."""
 
     def __init__(self, args, config, chat, policy):
         self.args, self.config, self.chat, self.policy = args, config, chat, policy
-        self.stack = contextlib.ExitStack()
+        self.stacks: dict[str, contextlib.ExitStack] = {}
         self.made: dict = {}
         self.notes: list[str] = []
         self.pgid = None  # the vLLM server's process group, not "other load"
@@ -214,24 +220,37 @@ class Generators:
     def get(self, name: str):
         """The ``generator=`` argument of the Trainer (None: its default TorchGenerator)."""
         if name not in self.made:
-            self.made[name] = {"torch": lambda: None, "vllm": self._vllm,
-                               "remote": self._remote}[name]()
+            self.stacks[name] = contextlib.ExitStack()
+            self.made[name] = {"torch": lambda stack: None, "vllm": self._vllm,
+                               "remote": self._remote}[name](self.stacks[name])
         return self.made[name]
 
-    def _vllm(self):
-        folder = self.stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-async-"))
+    def release(self, name: str) -> None:
+        self.made.pop(name, None)
+        stack = self.stacks.pop(name, None)
+        if stack is not None:
+            stack.close()
+        if name == "vllm":
+            self.pgid = None
+
+    def close(self) -> None:
+        for name in list(self.stacks):
+            self.release(name)
+
+    def _vllm(self, stack: contextlib.ExitStack):
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-async-"))
         model_dir = export_pretrained(self.policy, Path(folder) / "policy",
                                       tokenizer=self.chat.tokenizer)
         start = time.perf_counter()
-        server = self.stack.enter_context(VLLMServer(model_dir, python=self.args.vllm_python))
+        server = stack.enter_context(VLLMServer(model_dir, python=self.args.vllm_python))
         self.pgid = server.process.pid
         self.notes.append(f"vLLM {vllm_version(server)}: server up in "
                           f"{time.perf_counter() - start:.0f} s, bound to cores {server.threads}")
         print(self.notes[-1], flush=True)
         # A long timeout: a loaded 2-core machine must not fail requests (failures are counted).
-        return self.stack.enter_context(VLLMGenerator(server, timeout=1800.0, retries=0))
+        return stack.enter_context(VLLMGenerator(server, timeout=1800.0, retries=0))
 
-    def _remote(self):
+    def _remote(self, stack: contextlib.ExitStack):
         rate = self.args.remote_seconds_per_token
         how = "given (--remote-seconds-per-token)"
         if rate is None:
@@ -241,9 +260,6 @@ class Generators:
                           f"slept per token ({how})")
         print(self.notes[-1], flush=True)
         return RemoteStandIn(self.chat, rate)
-
-    def close(self) -> None:
-        self.stack.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,16 +398,21 @@ def sweep(args, config, chat, policy, generators: Generators) -> list[Result]:
                 sync = r if k == 0 else sync
                 print(describe(r, sync if k else None), flush=True)
                 results.append(r)
+        generators.release(name)
     return results
 
 
 def warm_up(config, chat, policy) -> None:
-    """One untimed synchronous step (first-call costs: allocator, lazy imports, caches)."""
+    """One synchronous step, not counted (first-call costs: allocator, lazy imports, caches);
+    printed, as a gauge of a step's cost."""
     one = copy.deepcopy(config)
     one.train = dataclasses.replace(one.train, steps=1)
     clock = ToolClock()
-    one_run(one, chat, policy, slow_environment(one, 0.0, clock), clock, "torch", None, 0.0, 0,
-            None)
+    r = one_run(one, chat, policy, slow_environment(one, 0.0, clock), clock, "torch", None, 0.0,
+                0, None)
+    print(f"warm-up (not counted): one synchronous torch step, {r.wall:.1f} s (rollouts "
+          f"{r.waiting:.1f} s, learning {r.learning:.1f} s, {r.trained_tokens} tokens)",
+          flush=True)
 
 
 def learning_check(args) -> dict:
@@ -478,6 +499,27 @@ def throughput_table(results: list[Result]) -> list[str]:
     return lines
 
 
+def overlap_summary(results: list[Result]) -> list[str]:
+    """Per generator and tool latency: the best asynchronous speed-up, and how much slower
+    the learner's own work got beside the producer (learning s per trained token against
+    sync's: > 1 means the two sides competed for the cores)."""
+    lines = []
+    for sync in (r for r in results if r.k == 0):
+        others = [r for r in results if r.k and sync_of(r, results) is sync]
+        if not others:
+            continue
+        best = min(others, key=lambda r: r.ms_per_1000)
+        unit = sync.learning / max(sync.trained_tokens, 1)
+        slower = ", ".join(f"{mode_name(r.k)} {r.learning / max(r.trained_tokens, 1) / unit:.2f}x"
+                           for r in others) if unit else "-"
+        lines.append(f"- {LABELS[sync.generator]}, {sync.latency_ms:g} ms tools: best "
+                     f"{mode_name(best.k)}, {sync.ms_per_1000 / best.ms_per_1000:.2f}x the "
+                     f"synchronous rate (sync waited {sync.waiting / sync.wall:.0%} of its wall "
+                     f"time for rollouts, {mode_name(best.k)} {best.waiting / best.wall:.0%}); "
+                     f"learning time per trained token against sync: {slower}")
+    return lines
+
+
 def learning_table(learning: dict, config) -> list[str]:
     before = learning["before"]
     lines = [f"Warm-start: {learning['warmstart_steps']} SFT steps "
@@ -506,6 +548,9 @@ def markdown(rows, results, learning, notes, args, config) -> str:
              "(which sleeps instead of computing) takes generation off it.", ""]
     if results:
         lines += ["## Wall time per 1000 trained tokens", ""] + throughput_table(results) + [""]
+        summary = overlap_summary(results)
+        if summary:
+            lines += ["## What overlap buys here", ""] + summary + [""]
     if learning:
         lines += ["## Learning check (0 ms tools, TorchGenerator, equal trained samples)", ""]
         lines += learning_table(learning, config) + [""]
@@ -523,10 +568,12 @@ def csv(text: str, cast=str) -> list:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true",
-                        help="smoke run: 2 steps of 2 tasks, 0 ms tools, torch only, a 5-step "
-                             "warm-start; with --learning: 2 steps, 10 SFT steps, 8 eval tasks")
-    parser.add_argument("--generators", default="torch,vllm,remote",
-                        help=f"of {', '.join(GENERATORS)}; 'none': the learning check only")
+                        help="smoke run: 2 steps of 2 tasks, 0 ms tools, torch only unless "
+                             "--generators says, a 5-step warm-start; with --learning: 2 steps, "
+                             "10 SFT steps, 8 eval tasks")
+    parser.add_argument("--generators", default=None,
+                        help=f"of {', '.join(GENERATORS)} (default all; torch with --tiny); "
+                             "'none': the learning check only")
     parser.add_argument("--latencies", default="0,50,200", help="open_vault latencies, ms")
     parser.add_argument("--staleness", default="0,1,2", help="train.max_staleness values")
     parser.add_argument("--steps", type=int, default=10)
@@ -549,6 +596,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--out-dir", default=None, help="default bench/results")
     args = parser.parse_args(argv)
+    if args.generators is None:
+        args.generators = "torch" if args.tiny else ",".join(GENERATORS)
     args.generators = [] if args.generators == "none" else csv(args.generators)
     if set(args.generators) - set(GENERATORS):
         parser.error(f"--generators: a comma-separated list of {', '.join(GENERATORS)}, or none")
@@ -556,7 +605,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.learning_staleness = csv(args.learning_staleness, int)
     if args.tiny:
         args.steps, args.tasks_per_step, args.latencies = 2, 2, [0.0]
-        args.generators = ["torch"] if args.generators else []
         args.warmstart_steps, args.warmstart_demos = 5, 50
         args.learning_steps, args.eval_tasks = 2, 8
         args.learning_warmstart_steps = 10

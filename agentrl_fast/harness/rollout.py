@@ -234,8 +234,9 @@ class RolloutEngine:
             left[key] -= 1
             if not left[key]:  # the group's last rollout settled
                 del left[key]
-                emit([r.trajectory for r in members.pop(key)])
                 self.stats.episodes += self.config.samples_per_task
+                self.stats.tool_seconds = self._clock.busy
+                emit([r.trajectory for r in members.pop(key)])
 
         while True:
             while not exhausted and room(len(members)):
