@@ -180,19 +180,24 @@ def test_consumed_positions_compact_and_the_stream_is_seeded():
     assert sorted(task_at(tasks, p, 0) for p in range(10)) == tasks  # a permutation per pass
 
 
+def consumed_positions(trainer) -> list[int]:
+    """The stream positions ``trainer``'s learner consumes from now on (filled as it runs)."""
+    positions, take = [], trainer.producer.take
+
+    def recording(*args, **kwargs):
+        kept, dropped, waited = take(*args, **kwargs)
+        positions.extend(g.position for g in kept + dropped)
+        return kept, dropped, waited
+    trainer.producer.take = recording
+    return positions
+
+
 def test_resume_loses_and_repeats_no_group(chat, tmp_path):
     """Two steps, a checkpoint each, then the trainer is dropped with groups buffered and in
     flight (as by SIGKILL); a new trainer resumes: every position is consumed exactly once."""
     cfg = config(steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=1, max_staleness=2)
     first = Trainer(policy_for(chat), chat, VaultEnvironment(), cfg)
-    taken = []
-    take = first.producer.take
-
-    def recording(*args, **kwargs):
-        kept, dropped, waited = take(*args, **kwargs)
-        taken.extend(g.position for g in kept + dropped)
-        return kept, dropped, waited
-    first.producer.take = recording
+    taken = consumed_positions(first)
     first.train()
     first.close()  # groups buffered or in flight are lost with the process
     second = Trainer(policy_for(chat), chat, VaultEnvironment(),
@@ -200,14 +205,7 @@ def test_resume_loses_and_repeats_no_group(chat, tmp_path):
                             max_staleness=2))
     assert second.step_index == 2
     assert second.data_position + len(second.consumed_ahead) == len(taken)
-    later = []
-    take2 = second.producer.take
-
-    def recording2(*args, **kwargs):
-        kept, dropped, waited = take2(*args, **kwargs)
-        later.extend(g.position for g in kept + dropped)
-        return kept, dropped, waited
-    second.producer.take = recording2
+    later = consumed_positions(second)
     try:
         history = second.train()
     finally:

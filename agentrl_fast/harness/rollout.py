@@ -150,6 +150,47 @@ class _TimedRegistry:
         return await self._clock.timed(self._registry, calls)
 
 
+class _Pump:
+    """The ``"overlap"`` schedule's moving parts: rollouts ready for a generation, one
+    generation in flight (of all that were ready when it started), and each rollout's step
+    (tools) running as soon as its generation is back; ``settle(rollout)`` decides what follows
+    a step."""
+
+    def __init__(self, engine: "RolloutEngine", settle: Callable[[_Rollout], None]):
+        self.engine, self.settle = engine, settle
+        self.ready: deque[_Rollout] = deque()
+        self.stepping: dict[asyncio.Task, _Rollout] = {}
+        self.generating: asyncio.Task | None = None
+        self.batch: list[_Rollout] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.ready or self.stepping or self.generating is not None)
+
+    async def advance(self, timeout: float | None = None) -> None:
+        """Start a generation if none runs, then handle what finished (within ``timeout``)."""
+        if self.generating is None and self.ready:
+            self.batch = list(self.ready)
+            self.ready.clear()
+            self.generating = asyncio.ensure_future(self.engine._generate(self.batch))
+        waiting = set(self.stepping) | ({self.generating} if self.generating is not None
+                                       else set())
+        if not waiting:
+            return
+        finished, _ = await asyncio.wait(waiting, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        for task in finished:
+            if task is self.generating:
+                for rollout, generation in zip(self.batch, task.result()):
+                    step = asyncio.ensure_future(self.engine._step(rollout, generation))
+                    self.stepping[step] = rollout
+                self.generating = None
+            else:
+                rollout = self.stepping.pop(task)
+                task.result()
+                self.settle(rollout)
+
+
 class RolloutEngine:
     """Runs rollouts of ``environment``'s tasks with ``generator`` (see the module doc).
 
@@ -219,16 +260,12 @@ class RolloutEngine:
         self._clock = _ToolClock()
         members: dict[int, list[_Rollout]] = {}
         group_of: dict[int, int] = {}
-        ready: deque[_Rollout] = deque()
-        stepping: dict[asyncio.Task, _Rollout] = {}
-        generating: asyncio.Task | None = None
-        batch: list[_Rollout] = []
-        source, exhausted, started = iter(groups), False, 0
         left: dict[int, int] = {}  # rollouts of a group not yet settled as done
+        source, exhausted, started = iter(groups), False, 0
 
         def settle(rollout: _Rollout) -> None:  # ready for a generation, or done
             if not rollout.done and self._prepare(rollout):
-                ready.append(rollout)
+                pump.ready.append(rollout)
                 return
             key = group_of.pop(id(rollout))
             left[key] -= 1
@@ -238,6 +275,7 @@ class RolloutEngine:
                 self.stats.tool_seconds = self._clock.busy
                 emit([r.trajectory for r in members.pop(key)])
 
+        pump = _Pump(self, settle)
         while True:
             while not exhausted and room(len(members)):
                 try:
@@ -253,27 +291,12 @@ class RolloutEngine:
                     group_of[id(rollout)] = key
                 for rollout in list(members[key]):
                     settle(rollout)
-            if generating is None and ready:
-                batch = list(ready)
-                ready.clear()
-                generating = asyncio.ensure_future(self._generate(batch))
-            waiting = set(stepping) | ({generating} if generating is not None else set())
-            if not waiting:
-                if exhausted and not members:
-                    return
+            if pump.busy:
+                await pump.advance(timeout=0.05)  # room may come from another thread meanwhile
+            elif exhausted and not members:
+                return
+            else:
                 await asyncio.sleep(0.02)  # no room: the consumer frees it from another thread
-                continue
-            finished, _ = await asyncio.wait(waiting, timeout=0.05,
-                                             return_when=asyncio.FIRST_COMPLETED)
-            for task in finished:
-                if task is generating:
-                    for rollout, generation in zip(batch, task.result()):
-                        stepping[asyncio.ensure_future(self._step(rollout, generation))] = rollout
-                    generating = None
-                else:
-                    rollout = stepping.pop(task)
-                    task.result()
-                    settle(rollout)
 
     def prompt_ids(self, task: Task) -> list[int]:
         """The ids a rollout of ``task`` starts from: system prompt, tools header, task,
@@ -411,27 +434,14 @@ class RolloutEngine:
             await asyncio.gather(*(self._step(r, g) for r, g in zip(batch, generations)))
 
     async def _overlap(self, rollouts: list[_Rollout]) -> None:
-        ready = deque(r for r in rollouts if self._prepare(r))
-        stepping: dict[asyncio.Task, _Rollout] = {}
-        generating: asyncio.Task | None = None
-        batch: list[_Rollout] = []
-        while ready or stepping or generating is not None:
-            if generating is None and ready:
-                batch = list(ready)
-                ready.clear()
-                generating = asyncio.ensure_future(self._generate(batch))
-            waiting = set(stepping) | ({generating} if generating is not None else set())
-            finished, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            for task in finished:
-                if task is generating:
-                    for rollout, generation in zip(batch, task.result()):
-                        stepping[asyncio.ensure_future(self._step(rollout, generation))] = rollout
-                    generating = None
-                else:
-                    rollout = stepping.pop(task)
-                    task.result()
-                    if not rollout.done and self._prepare(rollout):
-                        ready.append(rollout)
+        def settle(rollout: _Rollout) -> None:
+            if not rollout.done and self._prepare(rollout):
+                pump.ready.append(rollout)
+
+        pump = _Pump(self, settle)
+        pump.ready.extend(r for r in rollouts if self._prepare(r))
+        while pump.busy:
+            await pump.advance()
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
