@@ -40,8 +40,9 @@ STAGE_MODULES = {
                       "safetensors", "yaml", "tqdm", "matplotlib"),
     "sanitize": BENCH,
 }
-# Backends and baselines used only when importable (skipped with a note otherwise).
-OPTIONAL_MODULES = ("flash_attn", "liger_kernel", "torchrl")
+# Backends and baselines used only when importable (skipped with a note otherwise); httpx only
+# when a VLLMGenerator is made (vLLM is not on the GPU machine).
+OPTIONAL_MODULES = ("flash_attn", "liger_kernel", "torchrl", "httpx")
 # The scripts each stage runs: the sources tests/test_gpu_suite.py scans for STAGE_MODULES.
 STAGE_SCRIPTS = {
     "build": (),
