@@ -8,26 +8,14 @@ import math
 import pytest
 import torch
 
-from agentrl_fast.harness import (ChatFormat, RolloutConfig, SamplingParams, TorchGenerator,
-                                  VaultEnvironment, build_tokenizer)
+from agentrl_fast.harness import (RolloutConfig, SamplingParams, TorchGenerator,
+                                  VaultEnvironment)
 from agentrl_fast.models.attention import use_packed_attention
 from agentrl_fast.models.critic import policy_logprobs
-from agentrl_fast.models.tiny import tiny_qwen3, with_token_bias
 from agentrl_fast.ops import ppo_loss
 from agentrl_fast.train import TrainConfig, Trainer
 from agentrl_fast.train.producer import consume, task_at
-
-
-@pytest.fixture(scope="module")
-def chat():
-    env = VaultEnvironment()
-    return ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
-
-
-def policy_for(chat, seed=0):
-    """The tiny Qwen3, LM head biased to the stop tokens so turns are short and varied."""
-    model = tiny_qwen3(len(chat.tokenizer), seed=seed)
-    return with_token_bias(model, {chat.tool_call_close_id: 4.0, chat.im_end_id: 3.0})
+from test_train import chat, policy_for  # noqa: F401  (chat: a fixture)
 
 
 def config(**overrides):
