@@ -3,7 +3,12 @@ learner, per-token versions, the staleness bound, partial rollouts across a weig
 decoupled PPO against a float64 reference, and resume with no group lost or repeated."""
 
 import copy
+import json
 import math
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,8 @@ from agentrl_fast.ops import ppo_loss
 from agentrl_fast.train import TrainConfig, Trainer
 from agentrl_fast.train.producer import consume, task_at
 from test_train import chat, policy_for  # noqa: F401  (chat: a fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def config(**overrides):
@@ -205,3 +212,60 @@ def test_resume_loses_and_repeats_no_group(chat, tmp_path):
     consumed = set(range(second.data_position)) | second.consumed_ahead
     assert set(taken) | set(later) == consumed
     assert history[-1]["groups_consumed"] == len(consumed)  # the count the metrics report
+
+
+CHILD = """
+import json, sys
+sys.path.insert(0, "tests")
+from test_async import config, consumed_positions, policy_for
+from agentrl_fast.harness import ChatFormat, VaultEnvironment, build_tokenizer
+from agentrl_fast.train import Trainer
+env = VaultEnvironment()
+chat = ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
+trainer = Trainer(policy_for(chat), chat, env, config(steps=50, checkpoint_dir=sys.argv[1],
+                                                      checkpoint_every=1, max_staleness=2))
+positions = consumed_positions(trainer)
+with open(sys.argv[2], "a") as log:
+    def logged(metrics):
+        log.write(json.dumps({"step": metrics["step"], "positions": positions}) + "\\n")
+        log.flush()
+        positions.clear()
+    trainer.train(callback=logged)
+"""
+
+
+def test_kill_9_and_resume_repeat_and_lose_no_group(chat, tmp_path):
+    """A real process killed with SIGKILL mid-run (steps past its last checkpoint logged);
+    the resumed trainer consumes no group the checkpoint had counted, and every position below
+    its first unconsumed one is consumed exactly once."""
+    checkpoints, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(checkpoints), str(log)],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and len(log.read_text().splitlines()) >= 4):
+            assert child.poll() is None, child.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    resumed = Trainer(policy_for(chat), chat, VaultEnvironment(),
+                      config(steps=50, checkpoint_dir=str(checkpoints), checkpoint_every=1,
+                             max_staleness=2))
+    # What the checkpoint counted; the log agrees for the steps it has (the kill may fall
+    # between a step's checkpoint and its log line).
+    counted = set(range(resumed.data_position)) | resumed.consumed_ahead
+    logged = [p for s in steps if s["step"] <= resumed.step_index for p in s["positions"]]
+    assert resumed.step_index >= 3 and len(logged) == len(set(logged))
+    assert set(logged) <= counted and len(counted) - len(logged) <= 2 * 3  # one step's groups
+    later = consumed_positions(resumed)
+    try:
+        history = resumed.train(steps=resumed.step_index + 2)
+    finally:
+        resumed.close()
+    assert not set(counted) & set(later), "a group counted before the kill was consumed again"
+    consumed = set(range(resumed.data_position)) | resumed.consumed_ahead
+    assert set(counted) | set(later) == consumed
+    assert history[-1]["groups_consumed"] == len(consumed)
