@@ -19,7 +19,8 @@ from agentrl_fast.models.attention import use_packed_attention
 from agentrl_fast.models.critic import policy_logprobs
 from agentrl_fast.ops import ppo_loss
 from agentrl_fast.train import TrainConfig, Trainer
-from agentrl_fast.train.producer import consume, task_at
+from agentrl_fast.train.data import task_at
+from agentrl_fast.train.producer import consume
 from test_train import chat, policy_for  # noqa: F401  (chat: a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent

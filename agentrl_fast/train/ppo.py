@@ -107,12 +107,12 @@ class Trainer:
             raise ValueError(f"tasks_per_step ({config.tasks_per_step}) exceeds the "
                              f"{len(self.tasks)} train tasks of {environment.name!r}")
         self.consumed_ahead: set[int] = set()  # asynchronous: consumed groups past data_position
+        self.producer = None  # asynchronous: started after any resume, on the resumed weights
         if config.checkpoint_dir:
             resume(self)
-        self.producer = None
         if config.max_staleness:
             self.producer = start_producer(self, custom_generator=custom_generator)
-            self._started = time.perf_counter()
+            self._last_take = (time.perf_counter(), 0)  # (time, producer tokens) at a take
 
     @property
     def models(self) -> Models:
@@ -188,8 +188,7 @@ class Trainer:
         stale = sum(self.step_index - g.oldest_version() > self.config.max_staleness
                     for g in dropped)
         now, tokens = time.perf_counter(), self.producer.generated_tokens
-        since, before = getattr(self, "_last_take", (self._started, 0))
-        self._last_take = (now, tokens)
+        (since, before), self._last_take = self._last_take, (now, tokens)
         self._async_metrics = {"rollout_tokens_per_second": (tokens - before)
                                / max(now - since, 1e-9),
                                "learner_wait_seconds": waited, "stale_groups_dropped": stale,
@@ -277,7 +276,7 @@ class Trainer:
         copied into the whole policy rollouts run on."""
         if self.rollout_policy is not unwrap(self.policy):
             self.rollout_policy.load_state_dict(full_state_dict(self.policy, self.world))
-        if getattr(self, "producer", None) is not None:  # its next generate call swaps them in
+        if self.producer is not None:  # its next generate call swaps them in
             self.producer.publish(self.rollout_policy, self.step_index)
         else:
             self.engine.generator.update_weights(self.rollout_policy)

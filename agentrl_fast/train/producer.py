@@ -32,19 +32,12 @@ from typing import Sequence
 
 import torch
 
-from agentrl_fast.harness.generation import Generation, Generator
+from agentrl_fast.harness.generation import Generation, Generator, TorchGenerator
 from agentrl_fast.harness.rollout import RolloutEngine
 from agentrl_fast.harness.trajectory import Trajectory
+from agentrl_fast.models.wrappers import unwrap
 from agentrl_fast.seeds import derive_seed
-
-
-def task_at(tasks: Sequence, position: int, seed: int):
-    """The task of stream position ``position``: a seeded order of ``tasks``, a new one each
-    pass."""
-    epoch, offset = divmod(position, len(tasks))
-    order = torch.randperm(len(tasks), generator=torch.Generator().manual_seed(
-        derive_seed(seed, "tasks", epoch)))
-    return tasks[int(order[offset])]
+from agentrl_fast.train.data import task_at
 
 
 @dataclasses.dataclass
@@ -242,9 +235,6 @@ def start_producer(trainer, custom_generator: bool) -> RolloutProducer:
     """The producer of an asynchronous ``trainer`` (after any resume): its own copy of the
     rollout policy, on the trainer's generator when one was given (it gets the copy's weights
     through ``update_weights``), else a TorchGenerator on the copy."""
-    from agentrl_fast.harness.generation import TorchGenerator
-    from agentrl_fast.models.wrappers import unwrap
-
     config = trainer.config
     if trainer.world is not None:
         raise ValueError("train.max_staleness > 0 runs on one process for now; under torchrun "
