@@ -20,7 +20,7 @@ from agentrl_fast.models.critic import policy_logprobs
 from agentrl_fast.ops import ppo_loss
 from agentrl_fast.train import TrainConfig, Trainer
 from agentrl_fast.train.data import task_at
-from agentrl_fast.train.producer import consume
+from agentrl_fast.train.producer import consume, rank_share
 from test_train import chat, policy_for  # noqa: F401  (chat: a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,6 +176,16 @@ def test_consumed_positions_compact_and_the_stream_is_seeded():
     assert sorted(task_at(tasks, p, 0) for p in range(10)) == tasks  # a permutation per pass
 
 
+@pytest.mark.parametrize("count,size", [(3, 2), (4, 2), (1, 3), (5, 4), (6, 3)])
+def test_rank_shares_add_up_and_rotate(count, size):
+    shares = [[rank_share(count, step, rank, size) for rank in range(size)]
+              for step in range(2 * size)]
+    assert all(sum(step) == count for step in shares)
+    assert all(max(step) - min(step) <= 1 for step in shares)
+    totals = [sum(step[rank] for step in shares) for rank in range(size)]  # over `size` steps
+    assert max(totals) - min(totals) == 0  # every rank's positions advance at the same rate
+
+
 def consumed_positions(trainer) -> list[int]:
     """The stream positions ``trainer``'s learner consumes from now on (filled as it runs)."""
     positions, take = [], trainer.producer.take
@@ -269,4 +279,70 @@ def test_kill_9_and_resume_repeat_and_lose_no_group(chat, tmp_path):
     assert not set(counted) & set(later), "a group counted before the kill was consumed again"
     consumed = set(range(resumed.data_position)) | resumed.consumed_ahead
     assert set(counted) | set(later) == consumed
+    assert history[-1]["groups_consumed"] == len(consumed)
+
+
+# Under torchrun (2 real ranks, gloo): a producer per rank over disjoint positions, one batch.
+
+WORKER = """
+import json, sys
+sys.path.insert(0, "tests")
+import torch
+torch.set_num_threads(1)
+from test_async import config, consumed_positions, policy_for
+from agentrl_fast.harness import ChatFormat, VaultEnvironment, build_tokenizer
+from agentrl_fast.train import Trainer
+from agentrl_fast.train.distributed import DistributedConfig, World, init_world, shutdown
+group = init_world(DistributedConfig(strategy="ddp"))
+world = World(DistributedConfig(strategy="ddp"), group.rank, group.size, group.device)
+env = VaultEnvironment()
+chat = ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
+trainer = Trainer(policy_for(chat), chat, env,
+                  config(steps=3, checkpoint_dir=sys.argv[1], checkpoint_every=1,
+                         max_staleness=1, distributed=DistributedConfig(strategy="ddp")),
+                  log=lambda *args: None, world=world)
+positions = consumed_positions(trainer)
+rows = trainer.train()
+trainer.close()
+with open(f"{sys.argv[2]}.{world.rank}.json", "w") as out:
+    json.dump({"positions": positions, "rows": rows, "data_position": trainer.data_position,
+               "consumed_ahead": sorted(trainer.consumed_ahead)}, out)
+shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_produce_disjoint_positions_train_one_batch_and_resume_on_one(chat,
+                                                                                 tmp_path):
+    """Each rank's producer takes only its own positions (p % 2 == rank), the ranks train on
+    the same gathered batch within the staleness bound, and the 2-rank checkpoint resumes on
+    one process with no consumed group repeated and none lost."""
+    from test_distributed import torchrun
+    script, out, checkpoints = tmp_path / "worker.py", tmp_path / "out", tmp_path / "ckpt"
+    script.write_text(WORKER)
+    result = torchrun(2, str(script), str(checkpoints), str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+    for rank, part in enumerate(ranks):
+        assert part["positions"] and all(p % 2 == rank for p in part["positions"])
+    same = ("groups_consumed", "tokens", "sub_traces", "policy_loss", "value_loss",
+            "staleness_max", "stale_groups_dropped", "learner_wait_seconds")
+    for a, b in zip(ranks[0]["rows"], ranks[1]["rows"], strict=True):
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}  # one gathered batch
+        assert a["staleness_max"] <= 1
+    taken = ranks[0]["positions"] + ranks[1]["positions"]
+    assert len(taken) == len(set(taken))
+    counted = set(range(ranks[0]["data_position"])) | set(ranks[0]["consumed_ahead"])
+    assert set(taken) == counted and ranks[0]["rows"][-1]["groups_consumed"] == len(counted)
+    resumed = Trainer(policy_for(chat), chat, VaultEnvironment(),
+                      config(steps=4, checkpoint_dir=str(checkpoints), max_staleness=1))
+    assert resumed.step_index == 3
+    later = consumed_positions(resumed)
+    try:
+        history = resumed.train()
+    finally:
+        resumed.close()
+    assert not counted & set(later), "a group consumed on two ranks was consumed again"
+    consumed = set(range(resumed.data_position)) | resumed.consumed_ahead
+    assert counted | set(later) == consumed
     assert history[-1]["groups_consumed"] == len(consumed)

@@ -38,8 +38,8 @@ from agentrl_fast.train.distributed import World, full_state_dict, local_plan, r
 from agentrl_fast.train.models import Models, build_models, build_optimizers, check_world
 from agentrl_fast.train.overlap import CriticOverlap
 from agentrl_fast.train.packing import rollout_index_map
-from agentrl_fast.train.producer import (consume, importance_metrics, staleness_metrics,
-                                         start_producer)
+from agentrl_fast.train.producer import (consume, gather_groups, importance_metrics, rank_share,
+                                         staleness_metrics, start_producer)
 from agentrl_fast.train.scoring import Scores, logprob_mismatch, policy_scores, score
 from agentrl_fast.train.state import (export_models, load_trainer_state, resume,
                                       save_trainer_checkpoint, trainer_state)
@@ -176,24 +176,30 @@ class Trainer:
 
     def _take(self) -> tuple[list[Trajectory], list[Trajectory], int]:
         """Asynchronous: the next ``tasks_per_step`` finished groups from the producer (stale
-        ones, and with ``filter_groups`` those whose rewards agree, dropped and counted)."""
+        ones, and with ``filter_groups`` those whose rewards agree, dropped and counted; under
+        torchrun each rank gives its share and every rank gets them all)."""
+        config, world = self.config, self.world
         accept = None
-        if self.config.filter_groups:
+        if config.filter_groups:
             accept = lambda g: bool(groups_with_signal(g.trajectories))  # noqa: E731
-        kept, dropped, waited = self.producer.take(self.config.tasks_per_step,
-                                                   self.config.max_staleness, self.step_index,
+        count = (config.tasks_per_step if world is None else
+                 rank_share(config.tasks_per_step, self.step_index, world.rank, world.size))
+        kept, dropped, waited = self.producer.take(count, config.max_staleness, self.step_index,
                                                    accept)
+        now, tokens, fill = time.perf_counter(), self.producer.generated_tokens, self.producer.fill()
+        (since, before), self._last_take = self._last_take, (now, tokens)
+        rate = (tokens - before) / max(now - since, 1e-9)
+        if world is not None:  # every rank's groups, in stream order; the ranks' totals
+            kept, dropped, waited, rate, fill = gather_groups(world, kept, dropped,
+                                                              waited, rate, fill)
         self.data_position = consume(self.data_position, self.consumed_ahead,
                                      [g.position for g in kept + dropped])
-        stale = sum(self.step_index - g.oldest_version() > self.config.max_staleness
+        stale = sum(self.step_index - g.oldest_version() > config.max_staleness
                     for g in dropped)
-        now, tokens = time.perf_counter(), self.producer.generated_tokens
-        (since, before), self._last_take = self._last_take, (now, tokens)
-        self._async_metrics = {"rollout_tokens_per_second": (tokens - before)
-                               / max(now - since, 1e-9),
+        self._async_metrics = {"rollout_tokens_per_second": rate,
                                "learner_wait_seconds": waited, "stale_groups_dropped": stale,
                                "filtered_groups_dropped": len(dropped) - stale,
-                               "buffer_groups": self.producer.fill(),
+                               "buffer_groups": fill,
                                # every group consumed so far (each exactly once, resumes included)
                                "groups_consumed": self.data_position + len(self.consumed_ahead),
                                "policy_version": self.step_index}

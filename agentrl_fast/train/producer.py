@@ -19,6 +19,11 @@ position first; its checkpoint holds the positions it consumed (trained on or dr
 stale): the first it has not, and those after it that it has. On resume the stream restarts at
 the first and skips the others, so the groups that were buffered or in flight are regenerated
 (with the resumed weights), none consumed is repeated and none is lost.
+
+Under torchrun every rank runs a producer of its own over the positions ``p`` with
+``p % size == rank`` (:func:`rank_share` says how many groups each rank gives a step); the
+ranks' groups are all-gathered, so every rank trains on the same batch and counts the same
+consumed positions.
 """
 
 from __future__ import annotations
@@ -61,8 +66,7 @@ class _VersionedGenerator:
         self.inner, self.producer = inner, producer
 
     def generate(self, prompts, sampling, seeds=None) -> list[Generation]:
-        # The engine calls this in a worker thread; intra-op threads are per thread (OpenMP):
-        # half the cores, the other half the learner's.
+        # The engine calls this in a worker thread, whose thread count starts at the default.
         torch.set_num_threads(self.producer.threads)
         version = self.producer.swap_weights()
         return [dataclasses.replace(g, version=version)
@@ -76,12 +80,20 @@ class RolloutProducer:
     ``version``: the weights' version now; ``capacity``: groups buffered or in flight at most."""
 
     def __init__(self, engine: RolloutEngine, model: torch.nn.Module, tasks: Sequence, *,
-                 seed: int, start: int, skip: Sequence[int] = (), version: int, capacity: int):
+                 seed: int, start: int, skip: Sequence[int] = (), version: int, capacity: int,
+                 rank: int = 0, size: int = 1):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 group, got {capacity}")
+        if not 0 <= rank < size:
+            raise ValueError(f"rank must be in [0, size={size}), got {rank}")
+        self.rank, self.size = rank, size  # this producer's positions: p % size == rank
         self.engine, self.model, self.tasks, self.seed = engine, model, list(tasks), seed
         self.capacity, self.version = capacity, version
-        self.threads = max(torch.get_num_threads() // 2, 1)
+        # Intra-op threads are per thread (OpenMP): half for generation, the rest for the
+        # learner (the caller's thread, restored by close()), so the two never oversubscribe.
+        self._learner_threads = torch.get_num_threads()
+        self.threads = max(self._learner_threads // 2, 1)
+        torch.set_num_threads(max(self._learner_threads - self.threads, 1))
         self.inner = engine.generator
         engine.generator = _VersionedGenerator(self.inner, self)
         self.buffer: list[Group] = []
@@ -103,7 +115,7 @@ class RolloutProducer:
     def _groups(self):
         while True:
             position, self._next = self._next, self._next + 1
-            if position in self._skip:
+            if position % self.size != self.rank or position in self._skip:
                 continue
             seed = derive_seed(self.seed, "group", position)
             self._positions[seed] = position
@@ -190,6 +202,7 @@ class RolloutProducer:
             pass
         self._thread.join(timeout=60)
         self.engine.generator = self.inner
+        torch.set_num_threads(self._learner_threads)
 
 
 def staleness_metrics(sub_traces: Sequence, learner_version: int,
@@ -221,6 +234,25 @@ def importance_metrics(sub_traces: Sequence, proximal: Sequence[torch.Tensor],
             "is_weight_capped": float((w > cap).float().mean())}
 
 
+def rank_share(count: int, step: int, rank: int, size: int) -> int:
+    """How many of a step's ``count`` groups rank ``rank`` of ``size`` gives: slot ``k`` of the
+    run (step x count + j) goes to rank ``k % size``, so uneven shares rotate and every rank's
+    positions advance at the same rate."""
+    return len(range((rank - step * count) % size, count, size))
+
+
+def gather_groups(world, kept: list[Group], dropped: list[Group], waited: float, rate: float,
+                  fill: int) -> tuple[list[Group], list[Group], float, float, int]:
+    """Every rank's kept and dropped groups (each by stream position), the longest wait, and
+    the summed producer rate and buffer fill: the same on every rank."""
+    parts = world.all_gather((kept, dropped, waited, rate, fill))
+    by_position = lambda groups: sorted(groups, key=lambda g: g.position)  # noqa: E731
+    return (by_position([g for part in parts for g in part[0]]),
+            by_position([g for part in parts for g in part[1]]),
+            max(part[2] for part in parts), sum(part[3] for part in parts),
+            sum(part[4] for part in parts))
+
+
 def consume(position: int, consumed: set[int], positions: Sequence[int]) -> int:
     """Mark ``positions`` consumed; returns the new first unconsumed position (``consumed``
     keeps only those beyond it)."""
@@ -235,10 +267,8 @@ def start_producer(trainer, custom_generator: bool) -> RolloutProducer:
     """The producer of an asynchronous ``trainer`` (after any resume): its own copy of the
     rollout policy, on the trainer's generator when one was given (it gets the copy's weights
     through ``update_weights``), else a TorchGenerator on the copy."""
-    config = trainer.config
-    if trainer.world is not None:
-        raise ValueError("train.max_staleness > 0 runs on one process for now; under torchrun "
-                         "use max_staleness=0 (docs/training.md, asynchronous training)")
+    config, world = trainer.config, trainer.world
+    rank, size = (0, 1) if world is None else (world.rank, world.size)
     model = copy.deepcopy(unwrap(trainer.rollout_policy)).eval().requires_grad_(False)
     if custom_generator:
         generator = trainer.engine.generator
@@ -249,5 +279,5 @@ def start_producer(trainer, custom_generator: bool) -> RolloutProducer:
                            memory=trainer.memory)
     return RolloutProducer(engine, model, trainer.tasks, seed=config.seed,
                            start=trainer.data_position, skip=sorted(trainer.consumed_ahead),
-                           version=trainer.step_index,
-                           capacity=config.max_staleness * config.tasks_per_step)
+                           version=trainer.step_index, rank=rank, size=size,
+                           capacity=config.max_staleness * -(-config.tasks_per_step // size))
