@@ -2,7 +2,10 @@
 
 Every program here runs in a child process with small limits (1-2 s, 128 MB), so the file
 takes a few seconds. Cleanup of forked children is checked by pid (a zombie waiting for init to
-reap it counts as gone).
+reap it counts as gone). Tests taking the ``isolation`` fixture run both without isolation and
+under bubblewrap; the attacks on the isolation itself are in tests/test_sandbox_isolation.py.
+Without a working bubblewrap the bubblewrap cases skip, or fail under ``CI=true``
+(tools/setup_test_env.sh installs it), as tests/side_envs.py's rule.
 """
 
 import asyncio
@@ -17,12 +20,33 @@ import pytest
 
 import agentrl_fast
 from agentrl_fast.harness import ToolRegistry, parse_tool_calls
+from agentrl_fast.harness.bwrap import base_python
 from agentrl_fast.harness.sandbox import (FILE_SIZE_LIMIT_MB, LAUNCHER, SandboxResult,
-                                          python_tool, run_sandboxed, run_sandboxed_sync)
+                                          bwrap_problem, python_tool, run_sandboxed,
+                                          run_sandboxed_sync)
+from side_envs import SETUP
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux rlimits")
 
-PY = [sys.executable, "-I", "-u", "-"]  # a Python program read from stdin
+PY = [base_python(), "-I", "-u", "-"]  # a Python program read from stdin
+
+
+def require_bwrap() -> None:
+    """Skip the test when bubblewrap cannot isolate runs here; fail it under ``CI=true``."""
+    problem = bwrap_problem()
+    if problem is None:
+        return
+    message = f"bubblewrap cannot isolate runs here ({problem}): run `bash {SETUP}`"
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(params=["none", "bwrap"])
+def isolation(request) -> str:
+    if request.param == "bwrap":
+        require_bwrap()
+    return request.param
 
 
 def run_python(code: str, **limits) -> SandboxResult:
@@ -60,54 +84,68 @@ def process_gone(pid: int, grace: float = 3.0) -> bool:
 # --- running programs --------------------------------------------------------------------------
 
 
-def test_output_and_exit_code():
+def test_output_and_exit_code(isolation):
     code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
-    result = run_sandboxed_sync([sys.executable, "-c", code], timeout=5)
-    assert result == SandboxResult(exit_code=3, signal=None, stdout="out\n", stderr="err\n")
+    result = run_sandboxed_sync([base_python(), "-c", code], timeout=5, isolation=isolation)
+    assert result == SandboxResult(exit_code=3, signal=None, stdout="out\n", stderr="err\n",
+                                   isolation=isolation)
     assert not result.ok
-    assert run_sandboxed_sync(["true"]).ok
+    assert run_sandboxed_sync(["true"], isolation=isolation).ok
 
 
-def test_stdin_is_passed():
-    result = run_sandboxed_sync([sys.executable, "-c", "import sys; print(sys.stdin.read()[::-1])"],
-                                stdin="héllo")
+def test_exit_codes_and_signals(isolation):
+    """bwrap reports a signal N as exit code 128 + N, decoded back into a signal; an exit status
+    above 128 + 64 stays an exit status."""
+    result = run_sandboxed_sync([base_python(), "-c", "raise SystemExit(200)"],
+                                isolation=isolation)
+    assert (result.exit_code, result.signal) == (200, None)
+    killed = run_sandboxed_sync([base_python(), "-c", "import os; os.kill(os.getpid(), 15)"],
+                                isolation=isolation)
+    assert (killed.exit_code, killed.signal) == (None, signal.SIGTERM)
+
+
+def test_stdin_is_passed(isolation):
+    result = run_sandboxed_sync([base_python(), "-c", "import sys; print(sys.stdin.read()[::-1])"],
+                                stdin="héllo", isolation=isolation)
     assert result.stdout == "olléh\n" and result.ok
     # A program that never reads a large stdin does not hang the writer.
-    assert run_sandboxed_sync(["true"], stdin=b"x" * 1_000_000, timeout=5).ok
+    assert run_sandboxed_sync(["true"], stdin=b"x" * 1_000_000, timeout=5,
+                              isolation=isolation).ok
 
 
-def test_limits_are_set_in_the_child():
+def test_limits_are_set_in_the_child(isolation):
     code = """
         import resource
         for name in ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_CORE"):
             print(*resource.getrlimit(getattr(resource, name)))
     """
-    result = run_python(code, timeout=2.5, memory_mb=200)
+    result = run_python(code, timeout=2.5, memory_mb=200, isolation=isolation)
     mb = 1024 * 1024
     assert result.stdout.split("\n")[:4] == [f"{200 * mb} {200 * mb}", "3 4",
                                              f"{FILE_SIZE_LIMIT_MB * mb} {FILE_SIZE_LIMIT_MB * mb}",
                                              "0 0"]
-    assert run_python(code, timeout=9, cpu_seconds=1.5).stdout.split("\n")[1] == "2 3"
+    assert run_python(code, timeout=9, cpu_seconds=1.5,
+                      isolation=isolation).stdout.split("\n")[1] == "2 3"
 
 
-def test_launcher_imports_nothing_of_ours():
+def test_launcher_imports_nothing_of_ours(isolation):
     assert "agentrl_fast" not in LAUNCHER and "torch" not in LAUNCHER
     result = run_python("import sys; print(sorted(m for m in sys.modules "
-                        "if m.split('.')[0] in ('torch', 'agentrl_fast')))")
+                        "if m.split('.')[0] in ('torch', 'agentrl_fast')))", isolation=isolation)
     assert result.stdout == "[]\n"
 
 
-def test_missing_program_raises():
+def test_missing_program_raises(isolation):
     with pytest.raises(FileNotFoundError, match="no-such-program"):
-        run_sandboxed_sync(["no-such-program-agentrl"])
+        run_sandboxed_sync(["no-such-program-agentrl"], isolation=isolation)
 
 
 # --- runaway programs are killed at their limits ------------------------------------------------
 
 
-def test_infinite_loop_is_killed_at_the_timeout():
+def test_infinite_loop_is_killed_at_the_timeout(isolation):
     start = time.monotonic()
-    result = run_python("while True: pass", timeout=1.5)
+    result = run_python("while True: pass", timeout=1.5, isolation=isolation)
     assert time.monotonic() - start < 1.5 + 2.0
     assert result.killed_reason in ("timeout", "cpu_limit") and result.exit_code is None
     assert result.signal in (signal.SIGKILL, signal.SIGXCPU)
@@ -115,9 +153,9 @@ def test_infinite_loop_is_killed_at_the_timeout():
         assert result.timed_out and result.signal == signal.SIGKILL
 
 
-def test_infinite_loop_is_killed_at_the_cpu_limit():
+def test_infinite_loop_is_killed_at_the_cpu_limit(isolation):
     start = time.monotonic()
-    result = run_python("while True: pass", timeout=20, cpu_seconds=1)
+    result = run_python("while True: pass", timeout=20, cpu_seconds=1, isolation=isolation)
     assert time.monotonic() - start < 10
     assert not result.timed_out and result.killed_reason == "cpu_limit"
     assert result.signal == signal.SIGXCPU
@@ -125,15 +163,16 @@ def test_infinite_loop_is_killed_at_the_cpu_limit():
 
 @pytest.mark.parametrize("code", ["x = bytearray(2_000_000_000)",
                                   "x = []\nwhile True: x.append(bytearray(10**6))"])
-def test_memory_hog_fails_at_the_memory_limit(code):
-    result = run_python(code, timeout=5, memory_mb=128)
+def test_memory_hog_fails_at_the_memory_limit(code, isolation):
+    result = run_python(code, timeout=5, memory_mb=128, isolation=isolation)
     assert not result.ok and result.killed_reason == "memory_limit"
     assert "MemoryError" in result.stderr or result.signal is not None
 
 
-def test_infinite_output_is_truncated_and_stopped():
+def test_infinite_output_is_truncated_and_stopped(isolation):
     start = time.monotonic()
-    result = run_python("while True: print('x' * 100)", timeout=1, max_output_bytes=1000)
+    result = run_python("while True: print('x' * 100)", timeout=1, max_output_bytes=1000,
+                        isolation=isolation)
     assert time.monotonic() - start < 1 + 2.0
     assert result.truncated and len(result.stdout) == 1000 and set(result.stdout) <= {"x", "\n"}
     assert result.killed_reason in ("timeout", "cpu_limit")
@@ -150,7 +189,7 @@ def test_forked_grandchild_is_killed(parent):
         print(pid)
         {parent}
     """
-    result = run_python(code, timeout=1)
+    result = run_python(code, timeout=1, isolation="none")  # a host pid to check
     grandchild = int(result.stdout)
     assert grandchild != os.getpid()
     assert result.timed_out == (parent != "pass")
@@ -167,7 +206,8 @@ def test_cancelled_run_kills_the_group(tmp_path):
     """
 
     async def main():
-        task = asyncio.ensure_future(run_sandboxed(PY, stdin=textwrap.dedent(code), timeout=30))
+        task = asyncio.ensure_future(run_sandboxed(PY, stdin=textwrap.dedent(code), timeout=30,
+                                                   isolation="none"))
         for _ in range(200):
             if pid_file.exists() and pid_file.read_text():
                 break
@@ -185,13 +225,14 @@ def test_cancelled_run_kills_the_group(tmp_path):
 # --- isolation from the trainer -----------------------------------------------------------------
 
 
-def test_trainer_environment_does_not_leak(monkeypatch):
+def test_trainer_environment_does_not_leak(monkeypatch, isolation):
     monkeypatch.setenv("AGENTRL_SECRET", "hunter2")
     result = run_python("import os; print(sorted(os.environ)); "
-                        "print(os.environ.get('AGENTRL_SECRET'))")
+                        "print(os.environ.get('AGENTRL_SECRET'))", isolation=isolation)
     assert "AGENTRL_SECRET" not in result.stdout and "hunter2" not in result.stdout
     assert result.stdout.endswith("None\n")
-    explicit = run_python("import os; print(os.environ['A'])", env={"A": "1"})
+    explicit = run_python("import os; print(os.environ['A'])", env={"A": "1"},
+                          isolation=isolation)
     assert explicit.stdout == "1\n"
 
 
@@ -200,7 +241,7 @@ def test_code_runs_only_in_the_child(tmp_path):
     code = (f"import os, sys\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\n"
             "sys.modules.get('agentrl_fast') and setattr(sys.modules['agentrl_fast'], 'PWNED', 1)\n"
             "print(os.getpid())")
-    content = run_tool(code)
+    content = run_tool(code, isolation="none")  # writes a host file; bubblewrap would refuse it
     child = int(content)
     assert child != os.getpid() and int(marker.read_text()) == child
     assert not hasattr(agentrl_fast, "PWNED")

@@ -37,32 +37,64 @@ separate unprivileged user, for example with nsjail, bubblewrap or gVisor.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import numbers
 import os
 import signal as _signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from agentrl_fast.harness.bwrap import (INNER_UID, base_python, bwrap_command, bwrap_path,
+                                        sandbox_uid)
 from agentrl_fast.harness.tools import Tool, tool
 
 FILE_SIZE_LIMIT_MB = 64
 """Largest file (MB) a sandboxed program may write (``RLIMIT_FSIZE``)."""
 
+ISOLATIONS = ("auto", "bwrap", "none")
+"""``isolation`` values: ``"bwrap"`` (bubblewrap, or an error), ``"none"`` (resource limits
+only), ``"auto"`` (bubblewrap when it works here, else ``"none"`` with one warning)."""
+
+MAX_PROCESSES = 64
+"""Processes (and threads) a sandboxed program may have at once (``RLIMIT_NPROC``, bubblewrap
+only: without isolation it would count all of the user's processes, and root ignores it)."""
+
 _KILL_GRACE_S = 2.0  # waiting for a killed group to be reaped and its pipes to close
 
-# Run as ``python -I -S -c LAUNCHER STATUS_FD AS_BYTES CPU_S FSIZE_BYTES -- PROGRAM ARGS...``.
-# It sets the limits (never raising a hard limit that is already lower) and execs the program.
-# If that fails it writes the error to STATUS_FD (closed by a successful exec) and exits 127.
+# Run as ``python -I -S -c LAUNCHER STATUS_FD AS_BYTES CPU_S FSIZE_BYTES NPROC UID INNER_UID --
+# PROGRAM ARGS...``. It writes "+" to STATUS_FD (so a sandbox that never started is told apart
+# from a program that failed), sets RLIMIT_NPROC (NPROC >= 0), drops to UID (>= 0, root's
+# sandboxes: the uid must change before the kernel counts processes) and enters a new user
+# namespace showing it as INNER_UID, sets the other limits (never raising a hard limit that is
+# already lower) and execs the program. If that fails it writes the error to STATUS_FD (closed by
+# a successful exec) and exits 127.
 LAUNCHER = """\
 import os, resource, sys
 args = sys.argv[1:]
 split = args.index("--")
-fd, memory, cpu, fsize = map(int, args[:split])
+fd, memory, cpu, fsize, nproc, uid, inner = map(int, args[:split])
 argv = args[split + 1:]
 try:
+    os.write(fd, b"+")
+    if nproc >= 0:
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    if uid >= 0:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE, reset by setresuid: /proc/self is ours again
+        if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER) failed")
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{inner} {uid} 1"),
+                           ("gid_map", f"{inner} {uid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
     for which, soft, hard in ((resource.RLIMIT_AS, memory, memory),
                               (resource.RLIMIT_CPU, cpu, cpu + 1),
                               (resource.RLIMIT_FSIZE, fsize, fsize),
@@ -94,7 +126,8 @@ class SandboxResult:
     rarely the kernel's OOM killer), ``"memory_limit"`` (best effort: the program failed with a
     memory-error message such as ``MemoryError`` on stderr, or died of ``SIGSEGV``/``SIGBUS``/
     ``SIGABRT``, what an allocation failure in C code under ``RLIMIT_AS`` usually becomes; a
-    genuine crash is labelled the same), or ``None``.
+    genuine crash is labelled the same), or ``None``. ``isolation``: what the program ran
+    under, ``"bwrap"`` or ``"none"`` (resource limits only).
     """
 
     exit_code: int | None
@@ -104,6 +137,7 @@ class SandboxResult:
     timed_out: bool = False
     truncated: bool = False
     killed_reason: str | None = None
+    isolation: str = "none"
 
     @property
     def ok(self) -> bool:
@@ -143,7 +177,8 @@ def _check_number(name: str, value, *, minimum: float, integer: bool = False,
                          f"pass a value {bound}")
 
 
-def _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env):
+def _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env,
+              isolation="none", max_processes=1, read_only_paths=()):
     if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence):
         raise TypeError(f"run_sandboxed: argv must be a sequence of str such as "
                         f"['python', '-c', 'print(1)'], got {type(argv).__name__}")
@@ -176,6 +211,13 @@ def _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cw
             if not isinstance(key, str) or not isinstance(value, str):
                 raise TypeError(f"run_sandboxed: env must map str to str, got {key!r}: "
                                 f"{type(value).__name__}")
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"run_sandboxed: isolation must be one of {ISOLATIONS}, got "
+                         f"{isolation!r}")
+    _check_number("max_processes", max_processes, minimum=1, integer=True)
+    if isinstance(read_only_paths, (str, bytes, os.PathLike)) or not all(
+            isinstance(path, (str, os.PathLike)) for path in read_only_paths):
+        raise TypeError("run_sandboxed: read_only_paths must be a sequence of paths")
 
 
 def default_env() -> dict[str, str]:
@@ -186,6 +228,71 @@ def default_env() -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8",
             "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1"}
+
+
+def _inner_command(status_fd: int, memory_mb: int, cpu: int, nproc: int, uid: int,
+                   argv: Sequence[str]) -> list[str]:
+    """The launcher (run by the base interpreter, which is inside the sandbox too) and argv."""
+    return [base_python(), "-I", "-S", "-c", LAUNCHER, str(status_fd),
+            str(memory_mb * 1024 * 1024), str(cpu), str(FILE_SIZE_LIMIT_MB * 1024 * 1024),
+            str(nproc), str(uid), str(INNER_UID), "--", *argv]
+
+
+@functools.lru_cache(maxsize=None)
+def bwrap_problem() -> str | None:
+    """Why bubblewrap cannot isolate runs on this machine, or ``None`` when it can. Checked once
+    per process by running a real sandbox (bwrap may be installed where namespaces are not
+    allowed, as in many containers)."""
+    if sys.platform != "linux":
+        return "bubblewrap needs Linux"
+    bwrap = bwrap_path()
+    if bwrap is None:
+        return "the bwrap executable (package bubblewrap) is not on PATH"
+    status_read, status_write = os.pipe()
+    try:
+        uid = sandbox_uid()
+        inner = _inner_command(status_write, 256, 10, MAX_PROCESSES, uid,
+                               [base_python(), "-I", "-S", "-c", "print('ok')"])
+        result = subprocess.run(bwrap_command(bwrap, inner, uid=uid, cwd=None),
+                                pass_fds=(status_write,), capture_output=True, timeout=30,
+                                stdin=subprocess.DEVNULL, env=default_env())
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"running {bwrap} failed: {error}"
+    finally:
+        os.close(status_write)
+        with os.fdopen(status_read, "rb") as status:
+            report = status.read()[1:].replace(b"\0", b" ").decode(errors="replace")
+    if result.stdout != b"ok\n":
+        lines = (report or result.stderr.decode(errors="replace")).strip().splitlines()
+        return (f"{bwrap} could not start a sandbox: "
+                f"{lines[-1] if lines else f'exit code {result.returncode}'}")
+    return None
+
+
+_warned_unisolated = False
+
+
+def _isolation_for(isolation: str) -> str:
+    """What ``isolation`` means here and now: ``"bwrap"`` or ``"none"``."""
+    global _warned_unisolated
+    if isolation == "none":
+        return "none"
+    problem = bwrap_problem()
+    if problem is None:
+        return "bwrap"
+    if isolation == "bwrap":
+        raise RuntimeError(f"run_sandboxed: isolation='bwrap' but bubblewrap cannot isolate "
+                           f"runs here: {problem}. Install it (apt-get install bubblewrap; "
+                           f"tools/setup_test_env.sh does) or pass isolation='auto' or 'none'")
+    if not _warned_unisolated:
+        _warned_unisolated = True
+        warnings.warn(f"run_sandboxed: isolation='auto' runs model-written code WITHOUT "
+                      f"isolation because {problem}: only resource limits apply, and the code "
+                      f"can read the trainer's files, use the network and outlive its call. "
+                      f"Install bubblewrap (apt-get install bubblewrap), or pass "
+                      f"isolation='none' to choose this knowingly (docs/security.md).",
+                      RuntimeWarning, stacklevel=3)
+    return "none"
 
 
 class _Collector(asyncio.SubprocessProtocol):
@@ -224,12 +331,20 @@ def _kill_group(pid: int) -> None:
         pass  # the group is already gone
 
 
-def _launch_failure(status_fd: int, argv: Sequence[str]) -> BaseException | None:
-    """The launcher's error report (it could not set a limit or exec the program), if any."""
+def _launch_failure(status_fd: int, argv: Sequence[str], timed_out: bool,
+                    stderr: bytes) -> BaseException | None:
+    """The launcher's error report (it could not set a limit or exec the program), or the
+    sandbox's when the launcher never ran (bwrap could not set it up), if any."""
     try:
         report = os.read(status_fd, 65536)
     except BlockingIOError:
-        return None
+        report = b""
+    if not report.startswith(b"+"):
+        if timed_out:
+            return None
+        reason = stderr.decode(errors="replace").strip() or "no message"
+        return RuntimeError(f"run_sandboxed: the sandbox did not start: {reason}")
+    report = report[1:]
     if not report:
         return None
     kind, number, message = (report.decode(errors="replace").split("\0", 2) + ["", ""])[:3]
@@ -239,41 +354,71 @@ def _launch_failure(status_fd: int, argv: Sequence[str]) -> BaseException | None
     return RuntimeError(text)
 
 
+def _command(mode: str, status_fd: int, argv: Sequence[str], memory_mb: int, cpu: int,
+             max_processes: int, cwd, read_only_paths) -> list[str]:
+    if mode == "none":
+        return _inner_command(status_fd, memory_mb, cpu, -1, -1, argv)
+    uid = sandbox_uid()
+    inner = _inner_command(status_fd, memory_mb, cpu, max_processes, uid, argv)
+    return bwrap_command(bwrap_path(), inner, uid=uid, cwd=None if cwd is None else os.fspath(cwd),
+                         read_only_paths=[os.fspath(path) for path in read_only_paths])
+
+
+def _exit_status(mode: str, returncode: int | None) -> tuple[int | None, int | None]:
+    """``(exit_code, signal)``. bwrap reports a program killed by signal N as exit code 128 + N
+    (its own death by our SIGKILL stays a negative return code)."""
+    if returncode is not None and returncode < 0:
+        return None, -returncode
+    if mode == "bwrap" and returncode is not None and 128 < returncode < 128 + 65:
+        return None, returncode - 128
+    return returncode, None
+
+
 async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeout: float = 10.0,
                         memory_mb: int = 512, cpu_seconds: float | None = None,
                         max_output_bytes: int = 16384, cwd: str | os.PathLike | None = None,
-                        env: Mapping[str, str] | None = None) -> SandboxResult:
-    """Run ``argv`` in a child process under a timeout and resource limits (see the module).
+                        env: Mapping[str, str] | None = None, isolation: str = "auto",
+                        max_processes: int = MAX_PROCESSES,
+                        read_only_paths: Sequence[str | os.PathLike] = ()) -> SandboxResult:
+    """Run ``argv`` in a child process under a timeout and resource limits, isolated with
+    bubblewrap when ``isolation`` says so (see the module).
 
     ``stdin`` (str, UTF-8 encoded, or bytes) is written to the program's stdin, which is then
-    closed. ``timeout``: wall-clock seconds before the process group is killed; ``memory_mb``:
-    address-space limit (``RLIMIT_AS``, at least 32; an interpreter needs some of it just to
-    start); ``cpu_seconds``: CPU-time limit (``RLIMIT_CPU``, rounded up to whole seconds;
-    default ``ceil(timeout)``); ``max_output_bytes``: bytes kept of stdout and of stderr each;
-    ``cwd``: working directory; ``env``: the program's whole environment (default
-    :func:`default_env`). An ``argv[0]`` without a slash is looked up on the child's ``PATH``.
+    closed. ``timeout``: wall-clock seconds before the run is killed; ``memory_mb``:
+    address-space limit per process (``RLIMIT_AS``, at least 32; an interpreter needs some of it
+    just to start); ``cpu_seconds``: CPU-time limit (``RLIMIT_CPU``, rounded up to whole
+    seconds; default ``ceil(timeout)``); ``max_output_bytes``: bytes kept of stdout and of stderr
+    each; ``env``: the program's whole environment (default :func:`default_env`). An ``argv[0]``
+    without a slash is looked up on the child's ``PATH``. ``isolation``: one of
+    :data:`ISOLATIONS` (default ``"auto"``); ``max_processes``: ``RLIMIT_NPROC`` inside the
+    sandbox. ``cwd``: the working directory; under bubblewrap it is bound read-only (default: the
+    sandbox's fresh ``/tmp``). ``read_only_paths``: more host paths bound read-only under
+    bubblewrap (a program outside the system directories and the interpreter's prefix must be
+    in one to run).
 
     Everything the program does is reported in the :class:`SandboxResult`; this raises only for
     bad arguments (``TypeError``/``ValueError`` naming the argument) and when the program cannot
-    be started at all (``OSError`` such as ``FileNotFoundError``, or ``RuntimeError``). If the
-    awaiting task is cancelled, the process group is killed before ``CancelledError`` propagates.
+    be started at all (``OSError`` such as ``FileNotFoundError``, or ``RuntimeError``, also when
+    ``isolation="bwrap"`` and bubblewrap cannot run here). If the awaiting task is cancelled,
+    the run is killed before ``CancelledError`` propagates.
     """
-    _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env)
+    _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env,
+              isolation, max_processes, read_only_paths)
+    mode = _isolation_for(isolation)
     data = stdin.encode("utf-8") if isinstance(stdin, str) else bytes(stdin)
     cpu = math.ceil(cpu_seconds if cpu_seconds is not None else timeout)
     status_read, status_write = os.pipe()
     os.set_blocking(status_read, False)
-    command = [sys.executable, "-I", "-S", "-c", LAUNCHER, str(status_write),
-               str(memory_mb * 1024 * 1024), str(cpu), str(FILE_SIZE_LIMIT_MB * 1024 * 1024),
-               "--", *argv]
     loop = asyncio.get_running_loop()
     timed_out = False
     try:
         try:
+            command = _command(mode, status_write, argv, memory_mb, cpu, max_processes, cwd,
+                               read_only_paths)
             transport, collector = await loop.subprocess_exec(
                 lambda: _Collector(max_output_bytes, loop), *command, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                pass_fds=(status_write,), cwd=cwd,
+                pass_fds=(status_write,), cwd=cwd if mode == "none" else None,
                 env=dict(env) if env is not None else default_env())
         finally:
             os.close(status_write)
@@ -286,7 +431,9 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
             done, _ = await asyncio.wait({collector.exited}, timeout=timeout)
             timed_out = not done
         finally:
-            # Also after a normal exit or a cancellation: nothing of the group may outlive us.
+            # Also after a normal exit or a cancellation: nothing of the run may outlive us.
+            # Under bubblewrap, bwrap's death kills its PID namespace (--die-with-parent), and
+            # with it every process of the run, setsid() or not.
             _kill_group(transport.get_pid())
             try:
                 # The exit status and the pipes' last bytes; then close what is left (pipes held
@@ -294,20 +441,19 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
                 await asyncio.wait({collector.finished}, timeout=_KILL_GRACE_S)
             finally:
                 transport.close()
-        failure = _launch_failure(status_read, argv)
+        failure = _launch_failure(status_read, argv, timed_out, bytes(collector.output[2]))
     finally:
         os.close(status_read)
     if failure is not None:
         raise failure
-    returncode = transport.get_returncode()
-    signum = -returncode if returncode is not None and returncode < 0 else None
-    exit_code = returncode if signum is None else None
+    exit_code, signum = _exit_status(mode, transport.get_returncode())
     out, err = (bytes(collector.output[fd]) for fd in (1, 2))
     return SandboxResult(exit_code=exit_code, signal=signum,
                          stdout=out.decode("utf-8", errors="replace"),
                          stderr=err.decode("utf-8", errors="replace"), timed_out=timed_out,
                          truncated=collector.truncated,
-                         killed_reason=_killed_reason(timed_out, exit_code, signum, err))
+                         killed_reason=_killed_reason(timed_out, exit_code, signum, err),
+                         isolation=mode)
 
 
 def run_sandboxed_sync(argv: Sequence[str], **kwargs) -> SandboxResult:
@@ -352,10 +498,16 @@ def format_result(result: SandboxResult, *, timeout: float, cpu_seconds: int,
 
 
 def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: int = 512,
-                cpu_seconds: float | None = None, max_output_bytes: int = 8192) -> Tool:
+                cpu_seconds: float | None = None, max_output_bytes: int = 8192,
+                isolation: str = "auto", max_processes: int = MAX_PROCESSES,
+                site_packages: bool = False) -> Tool:
     """A :class:`~.tools.Tool` (``code: str``) running the model's Python in :func:`run_sandboxed`.
 
-    The code goes to ``python -I -u -`` on stdin (``-u``: what was printed before a kill is kept).
+    The code goes to the base interpreter's ``python -I -S -u -`` on stdin (``-u``: what was
+    printed before a kill is kept; ``-I -S``: no environment variables, no site-packages, only
+    the standard library). ``site_packages=True`` runs ``python -I -u -`` instead, the trainer's
+    interpreter with its installed packages (its virtual environment, if any, bound read-only
+    under bubblewrap). ``isolation`` and ``max_processes``: as :func:`run_sandboxed`.
     The tool returns one text: the program's stdout, then its stderr (if any), then status lines
     as they apply: ``[exit code 1]``, ``[killed: timeout after 2 s]``,
     ``[killed: CPU time limit 2 s]``, ``[killed: memory limit 256 MB]`` (or
@@ -365,16 +517,26 @@ def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: i
 
     A program that fails, however it fails (traceback, timeout, limit), is a normal result
     (``ToolResult.error is None``; the model reads what happened and the episode continues).
-    Only a failure to start the sandbox raises (``tool_exception`` in the registry). The Tool's
-    own timeout is the sandbox's plus 5 s, so the sandbox's kill, not the registry's, ends a
-    runaway program and its message is the one the model reads.
+    Only a failure to start the sandbox raises (``tool_exception`` in the registry: an error
+    result the model reads). The Tool's own timeout is the sandbox's plus 5 s, so the sandbox's
+    kill, not the registry's, ends a runaway program and its message is the one the model reads.
+    ``isolation="bwrap"`` raises ``RuntimeError`` here, at construction, when bubblewrap cannot
+    run on this machine (and ``"auto"`` warns here).
     """
-    # Check the limits now, not at the model's first call.
+    # Check the limits and the isolation now, not at the model's first call.
     _validate([sys.executable], b"", timeout, memory_mb, cpu_seconds, max_output_bytes, None,
-              None)
+              None, isolation, max_processes)
+    if not isinstance(site_packages, bool):
+        raise TypeError(f"python_tool: site_packages must be a bool, got "
+                        f"{type(site_packages).__name__}")
+    _isolation_for(isolation)
     cpu = math.ceil(cpu_seconds if cpu_seconds is not None else timeout)
-    limits = {"timeout": timeout, "memory_mb": memory_mb, "cpu_seconds": cpu_seconds,
-              "max_output_bytes": max_output_bytes}
+    argv = ([sys.executable, "-I", "-u", "-"] if site_packages
+            else [base_python(), "-I", "-S", "-u", "-"])
+    options = {"timeout": timeout, "memory_mb": memory_mb, "cpu_seconds": cpu_seconds,
+               "max_output_bytes": max_output_bytes, "isolation": isolation,
+               "max_processes": max_processes,
+               "read_only_paths": [sys.prefix] if site_packages else []}
 
     async def run_python(code: str) -> str:
         """Run a Python program in a sandbox and return its output.
@@ -382,7 +544,7 @@ def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: i
         Args:
             code: The Python source to run.
         """
-        result = await run_sandboxed([sys.executable, "-I", "-u", "-"], stdin=code, **limits)
+        result = await run_sandboxed(argv, stdin=code, **options)
         return format_result(result, timeout=timeout, cpu_seconds=cpu, memory_mb=memory_mb)
 
     return tool(run_python, name=name, timeout=timeout + 5.0)
