@@ -10,7 +10,9 @@
 # one folder per tools/side-envs/NAME.txt; tests find them there (tests/side_envs.py). A
 # tools/side-envs/NAME.post.sh runs after the install (with $PY the environment's python). An
 # environment is rebuilt when its requirements (and post script) differ from the copy stored
-# inside it.
+# inside it. A line `# venv-args: ARGS` in NAME.txt passes ARGS to `python -m venv` (e.g.
+# --system-site-packages: the environment then sees the main one's torch and agentrl_fast); being
+# part of NAME.txt, a change to it rebuilds the environment.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 specs="$root/tools/side-envs"
@@ -36,7 +38,9 @@ for name in "${names[@]}"; do
   echo "setup_test_env: building $name in $env_dir"
   start=$(date +%s)
   rm -rf "$env_dir"
-  "$python" -m venv "$env_dir"
+  venv_args=$(sed -n 's/^# venv-args: *//p' "$spec" | head -n 1)
+  # shellcheck disable=SC2086  # word splitting intended: several venv options
+  "$python" -m venv $venv_args "$env_dir"
   "$env_dir/bin/python" -m pip install -q --disable-pip-version-check -r "$spec"
   if [ -f "$post" ]; then PY="$env_dir/bin/python" bash "$post"; fi
   # Written last: an interrupted build is rebuilt next time.
