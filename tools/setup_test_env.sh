@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepares the side environments the tests need beside the main one (each a virtual environment
+# Installs bubblewrap when it is missing (the code sandbox's isolation tests need it), then
+# prepares the side environments the tests need beside the main one (each a virtual environment
 # of its own, because it pins packages the main environment must not get), and reuses one whose
 # requirements have not changed since it was built.
 #
@@ -19,6 +20,20 @@ specs="$root/tools/side-envs"
 home=${AGENTRL_FAST_SIDE_ENVS:-$HOME/.cache/agentrl_fast/side-envs}
 python=${PYTHON:-python3}
 mkdir -p "$home"
+
+# The sandbox's isolation tests need bubblewrap (tests/test_sandbox_isolation.py; under CI=true
+# a missing one fails them). CI runs as root, so install it when it is missing.
+if ! command -v bwrap > /dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get > /dev/null 2>&1; then
+    echo "setup_test_env: installing bubblewrap"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } \
+      || { echo "setup_test_env: could not install bubblewrap (apt-get failed)" >&2; exit 1; }
+  else
+    echo "setup_test_env: bubblewrap (bwrap) is missing; install it as root:" \
+         "apt-get install bubblewrap" >&2
+    exit 1
+  fi
+fi
 
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then
