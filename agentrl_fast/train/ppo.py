@@ -184,8 +184,15 @@ class Trainer:
             accept = lambda g: bool(groups_with_signal(g.trajectories))  # noqa: E731
         count = (config.tasks_per_step if world is None else
                  rank_share(config.tasks_per_step, self.step_index, world.rank, world.size))
-        kept, dropped, waited = self.producer.take(count, config.max_staleness, self.step_index,
-                                                   accept)
+        try:
+            kept, dropped, waited = self.producer.take(count, config.max_staleness,
+                                                       self.step_index, accept)
+        except RuntimeError as error:  # the producer failed: every rank raises, none waits
+            if world is None:
+                raise
+            world.check(error, "the rollout producer")
+        if world is not None:
+            world.check(None, "the rollout producer")
         now, tokens, fill = time.perf_counter(), self.producer.generated_tokens, self.producer.fill()
         (since, before), self._last_take = self._last_take, (now, tokens)
         rate = (tokens - before) / max(now - since, 1e-9)
