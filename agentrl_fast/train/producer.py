@@ -89,11 +89,14 @@ class RolloutProducer:
         self.rank, self.size = rank, size  # this producer's positions: p % size == rank
         self.engine, self.model, self.tasks, self.seed = engine, model, list(tasks), seed
         self.capacity, self.version = capacity, version
-        # Intra-op threads are per thread (OpenMP): half for generation, the rest for the
-        # learner (the caller's thread, restored by close()), so the two never oversubscribe.
+        # Intra-op threads are per thread (OpenMP). A generator computing here (a
+        # TorchGenerator) gets half, the learner (the caller's thread, restored by close()) the
+        # rest, so the two never oversubscribe the cores; one that waits on a server leaves
+        # them all to the learner.
         self._learner_threads = torch.get_num_threads()
         self.threads = max(self._learner_threads // 2, 1)
-        torch.set_num_threads(max(self._learner_threads - self.threads, 1))
+        if isinstance(self.inner, TorchGenerator):
+            torch.set_num_threads(max(self._learner_threads - self.threads, 1))
         self.inner = engine.generator
         engine.generator = _VersionedGenerator(self.inner, self)
         self.buffer: list[Group] = []
