@@ -25,7 +25,7 @@ from side_envs import side_env_python  # noqa: E402
 SHAPES = [(1, 1), (3, 17), (8, 113), (16, 203)]
 
 
-GROUPS = ("registries", "override")
+GROUPS = ("registries", "override", "actor")
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,12 @@ def test_registries_match_verl(side_env_report):
 def test_override_runs_our_gae_inside_compute_advantage(side_env_report):
     report = passed(side_env_report, "override")
     assert re.search(r"our gae ops: [1-9]", report), report
+
+
+def test_actor_step_with_our_loss_logprobs_and_attention(side_env_report):
+    report = passed(side_env_report, "actor")
+    for op in ("varlen_attention_forward", "token_logprobs_forward", "linear_token_logprobs_forward"):
+        assert f"agentrl_fast::{op}" in report, report
 
 
 def test_main_environment_never_imports_verl():
@@ -229,6 +235,117 @@ def check_override():
     assert "agentrl_gae" not in core_algos.ADV_ESTIMATOR_REGISTRY
     assert compute()[2] == 0
     print("ok override")
+
+
+# verl's actor (FSDPEngineWithLMHead) needs an accelerator: verl 0.9.1's platform registry has
+# CUDA, NPU and ROCm only and falls back to CUDA, so the engine's __init__ (device mesh) and
+# forward_step (micro_batch.to(get_device_id())) fail on the CPU. The check runs the body of
+# forward_step on the CPU instead, with verl's own code at every step: left_right_2_no_padding,
+# the engine's prepare_model_inputs / prepare_model_outputs (its remove-padding path, on an
+# FSDPEngineWithLMHead whose __init__ and FSDP wrapping are skipped), verl's own
+# patch_forward_with_backends for the fused path, and verl's actor loss (workers.utils.losses
+# .ppo_loss: policy loss through the registry, entropy), then backward and an optimizer step.
+
+
+def _actor_batch(torch, rows=4, prompt=7, response=11, vocab=97, seed=0):
+    """A verl trainer batch (left-padded prompts, right-padded responses, response mask with
+    holes) turned into verl's no-padding TensorDict by verl's own left_right_2_no_padding."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(2, prompt + 1, (rows,), generator=gen)
+    response_lens = torch.randint(1, response + 1, (rows,), generator=gen)
+    response_lens[0] = response
+    prompt_mask = (torch.arange(prompt) >= prompt - prompt_lens[:, None]).long()
+    response_valid = (torch.arange(response) < response_lens[:, None]).long()
+    attention_mask = torch.cat([prompt_mask, response_valid], 1)
+    prompts = torch.randint(0, vocab, (rows, prompt), generator=gen)
+    responses = torch.randint(0, vocab, (rows, response), generator=gen)
+    mask = (response_valid.bool() & (torch.rand(rows, response, generator=gen) < 0.8)).float()
+    data = TensorDict({
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+        "response_mask": mask, "advantages": torch.randn(rows, response, generator=gen),
+        "old_log_probs": torch.randn(rows, response, generator=gen) * 0.1 - 4.6,
+    }, batch_size=rows)
+    data = left_right_2_no_padding(data)
+    for key, value in dict(temperature=1.0, use_remove_padding=True, calculate_entropy=True,
+                           dp_size=1, batch_num_tokens=int(mask.sum()),
+                           global_batch_size=None).items():
+        tu.assign_non_tensor_data(data, key, value)
+    return data
+
+
+def _actor_step(torch, attention, fused, loss_mode):
+    """One actor update; returns (log_probs, entropy, loss, grads, metrics, our op counts)."""
+    import verl.utils.torch_functional as verl_F
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import ActorConfig, FSDPEngineConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.utils import losses
+
+    from agentrl_fast.models.tiny import tiny_qwen3
+
+    model = tiny_qwen3(97)
+    model.set_attn_implementation(attention)
+    engine = FSDPEngineWithLMHead.__new__(FSDPEngineWithLMHead)
+    engine.module, engine.engine_config = model, FSDPEngineConfig(strategy="fsdp")
+    engine.pad_to_length, engine.use_ulysses_sp = False, False
+    engine.compute_entropy_from_logits = verl_F.entropy_from_logits  # what __init__ reads
+    original_forward = type(model).forward
+    if fused:  # what the engine's _build_module does with use_fused_kernels, impl_backend=torch
+        patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    config = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=False,
+                         rollout_n=1, loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01,
+                         policy_loss={"loss_mode": loss_mode})
+    try:
+        micro_batch = _actor_batch(torch)
+        tu.assign_non_tensor_data(micro_batch, "use_fused_kernels", fused)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            inputs, output_args = engine.prepare_model_inputs(micro_batch)
+            raw = engine.module(**inputs, use_cache=False)
+            output = engine.prepare_model_outputs(raw, output_args, micro_batch, None)
+            loss, metrics = losses.ppo_loss(config, output, micro_batch)
+            loss.backward()
+        before = model.lm_head.weight.detach().clone()
+        torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+        assert not torch.equal(before, model.lm_head.weight), "the optimizer step changed nothing"
+    finally:
+        type(model).forward = original_forward
+    ops = {e.key: e.count for e in prof.key_averages() if e.key.startswith("agentrl_fast::")}
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return (output["log_probs"].values().detach(), output["entropy"].values().detach(),
+            loss.detach(), grads, metrics, ops)
+
+
+def check_actor():
+    import torch
+
+    from agentrl_fast.integrations import verl as ours
+
+    want = _actor_step(torch, "sdpa", fused=False, loss_mode="vanilla")
+    assert not want[5], want[5]
+    ours.register(override=True)
+    ours.patch_logprobs()
+    try:
+        for fused in (False, True):
+            got = _actor_step(torch, "agentrl_varlen", fused=fused, loss_mode="agentrl_ppo")
+            print(f"actor fused={fused} our ops: {got[5]}")
+            for name, x, y in zip(("log_probs", "entropy", "loss"), got, want):
+                _close(torch, x, y, f"actor fused={fused} {name}", atol=2e-5)
+            for name in want[3]:
+                _close(torch, got[3][name], want[3][name], f"actor fused={fused} grad {name}",
+                       rtol=1e-4, atol=1e-5)
+            assert got[4].keys() == want[4].keys(), (got[4].keys(), want[4].keys())
+    finally:
+        ours.unregister()
+    from verl.workers.engine.fsdp import transformer_impl
+
+    assert transformer_impl.logprobs_from_logits.__module__ == "verl.utils.torch_functional"
+    print("ok actor")
 
 
 def main(groups: list[str]) -> int:
