@@ -1,20 +1,34 @@
-"""Running code the model wrote: a child process under a timeout and resource limits.
+"""Running code the model wrote: a child process, isolated by bubblewrap, under a timeout and
+resource limits.
 
 :func:`run_sandboxed` runs a program in a child process, never in the trainer's process, and
 :func:`python_tool` is the ``run_python`` tool built on it. The code is handed to the child as
 data (on its stdin); the harness never evaluates a tool argument as code.
 
-What the child gets:
+Isolation (``isolation=``, :data:`ISOLATIONS`; every :class:`SandboxResult` records which ran):
+
+- ``"bwrap"``: bubblewrap (:mod:`.bwrap`): new user, PID, network, IPC, UTS and cgroup
+  namespaces; a read-only view of only the system directories and the base interpreter's prefix;
+  a fresh size-capped ``tmpfs`` as working directory and ``/tmp``; its own ``/proc``; no network
+  at all. As root, the program runs as a fresh unprivileged uid under ``RLIMIT_NPROC``
+  (``max_processes``). When bwrap dies (our kill at the timeout, a cancellation, the trainer's
+  death: ``--die-with-parent``) its PID namespace dies, and every process of the run with it,
+  ``setsid()`` or not. Raises ``RuntimeError`` when bubblewrap cannot run here
+  (:func:`bwrap_problem`).
+- ``"none"``: the resource limits below only, in the trainer's filesystem and network.
+- ``"auto"`` (default): ``"bwrap"`` when it works here, else ``"none"`` with one
+  ``RuntimeWarning`` per process naming what is missing.
+
+What the child gets in both:
 
 - its own session and process group (``start_new_session=True``); on a timeout, when the
   awaiting task is cancelled (a tool timeout in :class:`~.tools.ToolRegistry`), and after the
-  program exits, the whole group is sent ``SIGKILL``, so forked children and grandchildren do not
-  outlive the run;
+  program exits, the whole group is sent ``SIGKILL``;
 - resource limits set in the child by a small launcher (:data:`LAUNCHER`, run by
   ``python -I -S``, which imports neither ``agentrl_fast`` nor torch) before it ``exec``\\ s the
   program, so no ``preexec_fn`` runs in the trainer (it is not thread-safe): ``RLIMIT_AS``
-  (address space, ``memory_mb``), ``RLIMIT_CPU`` (``cpu_seconds``; the hard limit is one second
-  above the soft one, so the program first gets ``SIGXCPU``), ``RLIMIT_FSIZE``
+  (address space, ``memory_mb``, per process), ``RLIMIT_CPU`` (``cpu_seconds``; the hard limit
+  is one second above the soft one, so the program first gets ``SIGXCPU``), ``RLIMIT_FSIZE``
   (:data:`FILE_SIZE_LIMIT_MB`) and ``RLIMIT_CORE`` 0;
 - a minimal environment (:func:`default_env`: ``PATH``, ``LANG=C.UTF-8``, ``PYTHONHASHSEED=0``,
   one BLAS thread) unless ``env`` is given: nothing else of the trainer's environment (API keys,
@@ -23,15 +37,8 @@ What the child gets:
   each is kept; the rest is read and discarded, so a program printing forever neither blocks nor
   grows the trainer's memory.
 
-Threat model. This is *resource isolation* for an honest-but-buggy program (an infinite loop, a
-memory hog, a fork that never exits, a flood of output), not a security sandbox against a
-malicious one. The program runs as the trainer's user with the trainer's filesystem and network:
-it can read and write any file that user can, open sockets, and escape the process-group kill by
-calling ``setsid()``. Limits are per process (each forked child gets its own ``memory_mb``), and
-nothing stops a fork bomb within the timeout. A production deployment that runs untrusted code
-should add real isolation around this: a container or VM per worker (no network, a read-only
-root, a scratch ``tmpfs``), cgroups (``memory.max``, ``pids.max``, ``cpu.max``), seccomp, and a
-separate unprivileged user, for example with nsjail, bubblewrap or gVisor.
+The threat model (what this protects, what it does not, what production should add):
+docs/security.md.
 """
 
 from __future__ import annotations
@@ -119,8 +126,10 @@ class SandboxResult:
     deterministic).
 
     ``exit_code``: the exit status, or ``None`` when a signal ended it; ``signal``: that signal's
-    number, else ``None``. ``stdout``/``stderr``: the first ``max_output_bytes`` of each, decoded
-    as UTF-8 (``errors="replace"``); ``truncated``: either stream was longer. ``timed_out``: the
+    number, else ``None`` (under bubblewrap, which reports a signal N as exit status 128 + N, a
+    program's own exit status 129-192 reads as that signal). ``stdout``/``stderr``: the first
+    ``max_output_bytes`` of each, decoded as UTF-8 (``errors="replace"``); ``truncated``: either
+    stream was longer. ``timed_out``: the
     wall-clock timeout fired and the group was killed. ``killed_reason``: ``"timeout"``,
     ``"cpu_limit"`` (``SIGXCPU``, or a ``SIGKILL`` not sent by us: the hard CPU limit, or
     rarely the kernel's OOM killer), ``"memory_limit"`` (best effort: the program failed with a
