@@ -95,7 +95,7 @@ class RolloutProducer:
         # them all to the learner.
         self._learner_threads = torch.get_num_threads()
         self.threads = max(self._learner_threads // 2, 1)
-        if isinstance(self.inner, TorchGenerator):
+        if isinstance(engine.generator, TorchGenerator):
             torch.set_num_threads(max(self._learner_threads - self.threads, 1))
         self.inner = engine.generator
         engine.generator = _VersionedGenerator(self.inner, self)
