@@ -12,8 +12,8 @@ still root to the kernel's counters. So when the trainer is root, bwrap runs pri
 no user namespace of its own) keeping only ``CAP_SETUID``/``CAP_SETGID``, and the launcher inside
 sets ``RLIMIT_NPROC``, drops to a fresh unprivileged uid (:func:`sandbox_uid`, random per run so
 that concurrent runs do not share a process count) and then enters a new user namespace that
-shows that uid as :data:`INNER_UID`. A trainer that is not root already is unprivileged: bwrap
-makes the user namespace itself (``--unshare-user``).
+shows that uid as :data:`INNER_UID`. A trainer that is not root (or is the root of a rootless
+container) already is unprivileged: bwrap makes the user namespace itself (``--unshare-user``).
 """
 
 from __future__ import annotations
@@ -40,10 +40,22 @@ def bwrap_path() -> str | None:
     return shutil.which("bwrap")
 
 
+def _is_host_root() -> bool:
+    """Root of the host's user namespace (not the root of a rootless container, which is an
+    ordinary uid outside and cannot take on unmapped uids)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        with open("/proc/self/uid_map") as f:
+            return [line.split() for line in f] == [["0", "0", "4294967295"]]
+    except OSError:
+        return False
+
+
 def sandbox_uid() -> int:
     """A fresh unprivileged uid for one run of a root trainer (-1 when the trainer is not
     root and so has no uid to drop)."""
-    return _UID_BASE + secrets.randbelow(_UID_RANGE) if os.geteuid() == 0 else -1
+    return _UID_BASE + secrets.randbelow(_UID_RANGE) if _is_host_root() else -1
 
 
 def interpreter_paths() -> list[str]:
