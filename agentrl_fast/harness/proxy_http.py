@@ -1,0 +1,167 @@
+"""The proxy's HTTP surface (FastAPI on uvicorn, the ``serve`` extra): OpenAI's
+``/chat/completions`` (JSON or server-sent events) and ``/models`` under ``/s/{session}/v1``,
+and the session endpoints. Every error is an OpenAI-style body
+``{"error": {"message", "type", "param", "code"}}``; no request can stop the server.
+
+Bodies are read and parsed here (not by FastAPI's models) so that every malformed input gets a
+message naming the parameter, and bodies over ``max_body_bytes`` are refused while reading.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentrl_fast.harness.proxy import Proxy
+from agentrl_fast.harness.proxy_session import ChatRequest, ProxyError, Reply
+
+
+def _error(error: ProxyError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _read_json(request: Request, limit: int, *, optional: bool = False) -> Any:
+    size, chunks = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ProxyError(413, f"the request body is over {limit} bytes", None,
+                             "request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if optional and not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+        # Strings with lone surrogates parse but cannot reach a tokenizer: refuse them here.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError) as error:
+        raise ProxyError(400, f"the request body is not valid JSON (UTF-8): "
+                         f"{str(error)[:200]}", None, "invalid_json") from None
+    return body
+
+
+def _message(reply: Reply) -> dict:
+    message = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = reply.tool_calls
+    return message
+
+
+def _completion(proxy: Proxy, reply: Reply, usage: dict) -> dict:
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": proxy.model_name,
+            "choices": [{"index": 0, "message": _message(reply), "logprobs": None,
+                         "finish_reason": reply.finish_reason}],
+            "usage": usage}
+
+
+def _chunks(proxy: Proxy, request: ChatRequest, reply: Reply, usage: dict):
+    """The reply as ``chat.completion.chunk`` events: the role, the content, each call, the
+    finish reason (and the usage when asked); the reply is whole before the first event."""
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": proxy.model_name}
+
+    def event(delta: dict | None, finish: str | None = None, **extra) -> str:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                             "finish_reason": finish}]
+        return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n"
+
+    yield event({"role": "assistant", "content": ""})
+    if reply.content:
+        yield event({"content": reply.content})
+    for k, call in enumerate(reply.tool_calls):
+        yield event({"tool_calls": [{"index": k, **call}]})
+    yield event({}, reply.finish_reason)
+    if request.include_usage:
+        yield event(None, usage=usage)
+    yield "data: [DONE]\n\n"
+
+
+def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
+    """The FastAPI app of ``proxy`` (:class:`~agentrl_fast.harness.proxy.ProxyServer` serves
+    it)."""
+    app = FastAPI(title="agentrl_fast proxy", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        return _error(ProxyError(error.status_code, f"{request.method} {request.url.path}: "
+                                 f"{error.detail}", None, code))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception) -> JSONResponse:
+        return _error(ProxyError(500, f"internal error: {type(error).__name__}"))
+
+    async def guarded(work) -> Any:
+        try:
+            return await work()
+        except ProxyError as error:
+            return _error(error)
+        except Exception as error:  # noqa: BLE001 - the server answers and stays up
+            return _error(ProxyError(500, f"internal error: {type(error).__name__}: "
+                                     f"{str(error)[:200]}"))
+
+    @app.post("/s/{session_id}/v1/chat/completions")
+    async def chat_completions(session_id: str, request: Request):
+        async def work():
+            body = await _read_json(request, max_body_bytes)
+            chat_request, reply, usage = await proxy.complete(session_id, body)
+            if chat_request.stream:
+                return StreamingResponse(_chunks(proxy, chat_request, reply, usage),
+                                         media_type="text/event-stream")
+            return JSONResponse(_completion(proxy, reply, usage))
+        return await guarded(work)
+
+    @app.get("/s/{session_id}/v1/models")
+    async def models(session_id: str):
+        async def work():
+            proxy.session(session_id)
+            return JSONResponse({"object": "list", "data": [
+                {"id": proxy.model_name, "object": "model", "created": 0,
+                 "owned_by": "agentrl_fast"}]})
+        return await guarded(work)
+
+    @app.post("/sessions")
+    async def new_session(request: Request):
+        async def work():
+            body = await _read_json(request, max_body_bytes, optional=True)
+            if not isinstance(body, dict):
+                raise ProxyError(400, "the body must be a JSON object (or empty)")
+            unknown = set(body) - {"task_id", "sample_index", "session_id"}
+            if unknown:
+                raise ProxyError(400, f"unknown field {sorted(unknown)[0]!r}; the fields are "
+                                 "task_id, sample_index, session_id", sorted(unknown)[0])
+            session_id = proxy.create_session(body.get("task_id"), body.get("sample_index", 0),
+                                              body.get("session_id"))
+            return JSONResponse({"id": session_id, "base_path": f"/s/{session_id}/v1"})
+        return await guarded(work)
+
+    @app.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request):
+        async def work():
+            body = await _read_json(request, max_body_bytes, optional=True)
+            if not isinstance(body, dict):
+                raise ProxyError(400, "the body must be a JSON object {\"reward\": r}")
+            truncated = body.get("truncated", False)
+            if not isinstance(truncated, bool):
+                raise ProxyError(400, "truncated must be a boolean", "truncated")
+            turn_rewards = body.get("turn_rewards")
+            if turn_rewards is not None and not isinstance(turn_rewards, list):
+                raise ProxyError(400, "turn_rewards must be a list of numbers", "turn_rewards")
+            trajectory = proxy.finish(session_id, body.get("reward", 0.0), turn_rewards,
+                                      truncated)
+            proxy.finished.put(trajectory)
+            return JSONResponse({"id": session_id, "reward": trajectory.reward,
+                                 "sub_traces": len(trajectory.sub_traces),
+                                 "turns": trajectory.metrics["turns"],
+                                 "error": trajectory.error})
+        return await guarded(work)
+
+    return app
