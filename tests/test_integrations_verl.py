@@ -25,7 +25,7 @@ from side_envs import side_env_python  # noqa: E402
 SHAPES = [(1, 1), (3, 17), (8, 113), (16, 203)]
 
 
-GROUPS = ("registries", "override", "actor")
+GROUPS = ("lazy", "registries", "override", "actor")  # lazy first: before verl is imported
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +58,21 @@ def test_actor_step_with_our_loss_logprobs_and_attention(side_env_report):
         assert f"agentrl_fast::{op}" in report, report
 
 
-def test_main_environment_never_imports_verl():
-    code = ("import sys, agentrl_fast, agentrl_fast.ops, agentrl_fast.integrations;"
-            "from agentrl_fast.integrations import verl;"
-            "assert not [m for m in sys.modules if m.split('.')[0] in ('verl', 'trl')]")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+def test_imports_stay_lazy(side_env_report):
+    passed(side_env_report, "lazy")
+
+
+def test_register_names_verl_when_missing():
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is not None:
+        pytest.skip("verl is installed in this environment")
+    from agentrl_fast.integrations import verl
+
+    with pytest.raises(ImportError, match="needs the 'verl' package"):
+        verl.register()
+    with pytest.raises(ImportError, match="needs the 'verl' package"):
+        verl.patch_logprobs()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +137,18 @@ def _verl_agg_modes(core_algos):
     import inspect
 
     return set(re.findall(r'"((?:token|seq)-[a-z-]+)"', inspect.getsource(core_algos.agg_loss)))
+
+
+def check_lazy():
+    """With verl and TRL installed, importing agentrl_fast and its integrations imports neither."""
+    import importlib
+
+    for module in ("agentrl_fast", "agentrl_fast.ops", "agentrl_fast.integrations.verl",
+                   "agentrl_fast.integrations.trl", "agentrl_fast.integrations._padded"):
+        importlib.import_module(module)
+    loaded = [m for m in sys.modules if m.split(".")[0] in ("verl", "trl")]
+    assert not loaded, loaded
+    print("ok lazy")
 
 
 def check_registries():
