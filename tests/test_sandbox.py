@@ -261,6 +261,16 @@ def test_python_tool_schema_and_timeout():
         python_tool(memory_mb=1)
     with pytest.raises(TypeError, match="timeout"):
         python_tool(timeout="2")
+    with pytest.raises(ValueError, match="isolation"):
+        python_tool(isolation="docker")
+    with pytest.raises(TypeError, match="site_packages"):
+        python_tool(site_packages="yes")
+
+
+def test_python_tool_imports_installed_packages_only_when_configured(isolation):
+    code = "import jsonschema; print('imported')"
+    assert "ModuleNotFoundError" in run_tool(code, isolation=isolation)
+    assert run_tool(code, isolation=isolation, site_packages=True) == "imported"
 
 
 def test_python_tool_result_text():
@@ -332,6 +342,9 @@ def test_runaway_tool_is_killed_and_the_episode_continues():
     ({"cwd": 3}, TypeError, "cwd"),
     ({"env": ["PATH"]}, TypeError, "env"),
     ({"env": {"A": 1}}, TypeError, "env"),
+    ({"isolation": "docker"}, ValueError, "isolation"),
+    ({"max_processes": 0}, ValueError, "max_processes"),
+    ({"read_only_paths": "/usr"}, TypeError, "read_only_paths"),
 ])
 def test_bad_arguments(kwargs, error, fragment):
     kwargs = {"argv": ["true"], **kwargs}
