@@ -149,6 +149,10 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
             body = await _read_json(request, max_body_bytes, optional=True)
             if not isinstance(body, dict):
                 raise ProxyError(400, "the body must be a JSON object {\"reward\": r}")
+            unknown = set(body) - {"reward", "turn_rewards", "truncated"}
+            if unknown:
+                raise ProxyError(400, f"unknown field {sorted(unknown)[0]!r}; the fields are "
+                                 "reward, turn_rewards, truncated", sorted(unknown)[0])
             truncated = body.get("truncated", False)
             if not isinstance(truncated, bool):
                 raise ProxyError(400, "truncated must be a boolean", "truncated")

@@ -121,10 +121,30 @@ class Trainer:
     # -- one step: rollouts -> scores -> advantages -> updates -> metrics ----------------------
 
     def step(self) -> dict[str, float]:
-        config, start = self.config, time.perf_counter()
+        start = time.perf_counter()
         self.policy.eval()
         self.rollout_policy.eval()
         every, trajectories, rounds = self._collect()
+        return self._step_on(every, trajectories, rounds, start)
+
+    def train_on(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """One step on whole rollouts collected elsewhere (the OpenAI proxy's finished sessions,
+        :mod:`agentrl_fast.harness.proxy`), as :meth:`step` trains on its own: scores,
+        advantages, updates, schedules, the generator's weights refreshed. Rollouts with an
+        ``error`` are counted, not trained on."""
+        if self.producer is not None:
+            raise ValueError("train_on: this trainer samples its own rollouts asynchronously "
+                             "(max_staleness > 0); use max_staleness=0 with train_on")
+        start = time.perf_counter()
+        self.policy.eval()
+        self.rollout_policy.eval()
+        every = list(trajectories)
+        return self._step_on(every, [t for t in every if t.error is None], 1, start)
+
+    def _step_on(self, every: list[Trajectory], trajectories: list[Trajectory], rounds: int,
+                 start: float) -> dict[str, float]:
+        """The rest of a step once its rollouts are in (``every``; ``trajectories`` trained on)."""
+        config = self.config
         rollout_seconds = time.perf_counter() - start
         metrics = dict(rollout_metrics(every))
         failed = sum(t.error is not None for t in every)
