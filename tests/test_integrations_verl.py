@@ -256,6 +256,14 @@ def check_override():
     assert core_algos.get_policy_loss_fn("vanilla") is verl_vanilla
     assert "agentrl_gae" not in core_algos.ADV_ESTIMATOR_REGISTRY
     assert compute()[2] == 0
+    # What a Ray job gets from VERL_USE_EXTERNAL_MODULES=agentrl_fast.integrations.verl_plugin.
+    import importlib
+
+    importlib.import_module("agentrl_fast.integrations.verl_plugin")
+    assert core_algos.compute_gae_advantage_return is ours.compute_gae_advantage_return
+    assert compute()[2] >= 1
+    ours.unregister()
+    assert core_algos.compute_gae_advantage_return is verl_gae
     print("ok override")
 
 
