@@ -276,3 +276,16 @@ def test_message_content_parts_and_developer_role_render_as_text(chat):
                                     {"role": "user", "content": "ab"}],
                                    add_generation_prompt=True) + "Done.<|im_end|>\n"
     assert json.loads(json.dumps(text))  # plain text
+
+
+def test_generations_carry_the_proxy_version_and_stale_sessions_are_dropped(chat):
+    from agentrl_fast.harness.proxy import fresh
+    proxy = make_proxy(chat, CALL, "Done.")
+    session = proxy.create_session()
+    _, first, _ = complete(proxy, session, [SYSTEM, USER])
+    proxy.version = 3  # an update between the session's two turns
+    complete(proxy, session, [SYSTEM, USER, echo(first), tool_message(first, "ok")])
+    trajectory = proxy.finish(session)
+    assert sorted(set(trajectory.current.action_versions())) == [0, 3]
+    assert fresh([trajectory], version=3, max_staleness=3) == [trajectory]
+    assert fresh([trajectory], version=3, max_staleness=2) == []
