@@ -65,13 +65,15 @@ class _Pending:
 
 class _Batcher:
     """One worker thread: collects requests for ``window`` seconds after the first (at most
-    ``max_batch``), then one ``generate`` per group of equal sampling parameters, under
-    ``gate``. Results are ``(Generation, version)``."""
+    ``max_batch``, and no longer once every open session has one waiting: a session has one
+    request in flight at most), then one ``generate`` per group of equal sampling parameters,
+    under ``gate``. Results are ``(Generation, version)``."""
 
     def __init__(self, generator: Generator, window: float, max_batch: int,
-                 version: Callable[[], int]):
+                 version: Callable[[], int], open_sessions: Callable[[], int]):
         self.generator, self.window, self.max_batch, self.version = (generator, window,
                                                                       max_batch, version)
+        self.open_sessions = open_sessions
         self.gate = threading.Lock()
         self.batch_sizes: Counter = Counter()
         self._queue: queue.Queue = queue.Queue()
@@ -94,7 +96,7 @@ class _Batcher:
             if first is None:
                 return
             batch, deadline, closing = [first], time.monotonic() + self.window, False
-            while len(batch) < self.max_batch:
+            while len(batch) < min(self.max_batch, self.open_sessions()):
                 try:
                     item = self._queue.get(timeout=max(deadline - time.monotonic(), 0))
                 except queue.Empty:
@@ -170,7 +172,8 @@ class Proxy:
         self._closed: set[str] = set()
         self._lock = threading.Lock()
         self.finished: queue.Queue[Trajectory] = queue.Queue()  # sessions finished over HTTP
-        self._batcher = _Batcher(generator, batch_window, max_batch, lambda: self.version)
+        self._batcher = _Batcher(generator, batch_window, max_batch, lambda: self.version,
+                                 lambda: len(self._sessions))
 
     @classmethod
     def for_trainer(cls, trainer, **options) -> "Proxy":

@@ -1,0 +1,148 @@
+"""The OpenAI proxy's cost: latency per request and requests/s through real HTTP (uvicorn on
+127.0.0.1, the ``openai`` client), against calling the generator directly with the same
+prompts, sampling and seeds.
+
+Two generators: ``scripted`` (a fixed answer, no model: what remains is the proxy's own work —
+HTTP, JSON, request checks, tokenizing the new messages, the session's bookkeeping) and
+``torch`` (the tiny Qwen3 on the CPU, ``--max-tokens`` new tokens a request: the share of a
+real turn the proxy adds). Sequential: one client, one turn after another in one session
+(each request extends it). Concurrent: ``--clients`` threads, one session each, whose requests
+the proxy batches; direct: the same turns as batched ``generate`` calls.
+
+    python bench/bench_proxy.py --out bench/results/proxy.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import torch
+
+from agentrl_fast.harness import (ChatFormat, SamplingParams, ScriptedGenerator, TorchGenerator,
+                                  VaultEnvironment, build_tokenizer)
+from agentrl_fast.harness.proxy import Proxy, ProxyServer
+from agentrl_fast.models.tiny import tiny_qwen3
+
+TOOLS = [{"type": "function", "function": {
+    "name": "open_vault", "description": "Open a vault and read its code.",
+    "parameters": {"type": "object", "properties": {"name": {"type": "string"}},
+                   "required": ["name"]}}}]
+
+
+def conversation(task: str) -> list[dict]:
+    return [{"role": "system", "content": "You open vaults to collect their codes."},
+            {"role": "user", "content": task}]
+
+
+def session_turns(client: openai.OpenAI, task: str, turns: int, max_tokens: int) -> list[float]:
+    """Seconds of each request of one session (each extends the last)."""
+    messages, times = conversation(task), []
+    for turn in range(turns):
+        start = time.perf_counter()
+        reply = client.chat.completions.create(model="p", messages=messages, tools=TOOLS,
+                                               max_tokens=max_tokens, seed=turn)
+        times.append(time.perf_counter() - start)
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": f"Go on ({turn})."})
+    return times
+
+
+def through_proxy(server: ProxyServer, tasks: list[str], turns: int, max_tokens: int
+                  ) -> list[float]:
+    """Each session on a thread of its own; every request's seconds."""
+    def run(task: str) -> list[float]:
+        session = server.proxy.create_session()
+        client = openai.OpenAI(base_url=server.base_url(session), api_key="-", max_retries=0)
+        try:
+            return session_turns(client, task, turns, max_tokens)
+        finally:
+            server.proxy.finish(session)
+    with ThreadPoolExecutor(len(tasks)) as pool:
+        return [t for times in pool.map(run, tasks) for t in times]
+
+
+def direct(generator, chat: ChatFormat, tasks: list[str], turns: int, max_tokens: int
+           ) -> list[float]:
+    """The same turns as batched generate calls (all sessions' turn k in one call), the
+    prompts grown by the same messages; each call's seconds, once per request in it."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_tokens,
+                              stop_ids=chat.stop_ids)
+    prompts = [chat.render_ids(conversation(t), TOOLS, add_generation_prompt=True) for t in tasks]
+    times = []
+    for turn in range(turns):
+        start = time.perf_counter()
+        out = generator.generate(prompts, sampling, [turn] * len(prompts))
+        times += [time.perf_counter() - start] * len(prompts)
+        prompts = [p + g.ids + chat.turn_end_ids(g.ids) + chat.user_ids(f"Go on ({turn}).")
+                   + chat.generation_prompt_ids() for p, g in zip(prompts, out)]
+    return times
+
+
+def summary(times: list[float], wall: float) -> dict:
+    ordered = sorted(times)
+    return {"requests": len(times), "p50_ms": 1000 * statistics.median(ordered),
+            "p95_ms": 1000 * ordered[int(0.95 * (len(ordered) - 1))],
+            "requests_per_s": len(times) / wall}
+
+
+def measure(name: str, generator, chat: ChatFormat, args) -> list[dict]:
+    rows = []
+    tasks = [f"Collect the codes of vaults amber, birch ({k})." for k in range(args.clients)]
+    proxy = Proxy(generator, chat, SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens),
+                  context_budget=4096, batch_window=args.batch_window)
+    with ProxyServer(proxy) as server:
+        through_proxy(server, tasks[:1], 2, args.max_tokens)  # warm-up
+        for clients in (1, args.clients):
+            for how in ("direct", "proxy"):
+                start = time.perf_counter()
+                if how == "proxy":
+                    times = through_proxy(server, tasks[:clients], args.turns, args.max_tokens)
+                else:
+                    times = direct(generator, chat, tasks[:clients], args.turns, args.max_tokens)
+                rows.append({"generator": name, "clients": clients, "path": how,
+                             **summary(times, time.perf_counter() - start)})
+                print(json.dumps(rows[-1]), flush=True)
+    proxy.close()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| generator | clients | path | requests | p50 ms | p95 ms | requests/s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['generator']} | {r['clients']} | {r['path']} | {r['requests']} | "
+                     f"{r['p50_ms']:.2f} | {r['p95_ms']:.2f} | {r['requests_per_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--turns", type=int, default=8, help="requests per session")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent sessions")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--batch-window", type=float, default=0.005)
+    parser.add_argument("--out", default=None, help="write the table (markdown) here")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    env = VaultEnvironment()
+    chat = ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
+    model = tiny_qwen3(len(chat.tokenizer), seed=0).eval()
+    rows = measure("scripted", ScriptedGenerator(lambda context: "Done.", chat), chat, args)
+    rows += measure("torch", TorchGenerator(model, pad_id=0), chat, args)
+    text = table(rows)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"# OpenAI proxy overhead\n\n`python bench/bench_proxy.py --out {args.out}` "
+                    f"(turns {args.turns}, max_tokens {args.max_tokens}, batch window "
+                    f"{args.batch_window * 1000:g} ms, torch threads {torch.get_num_threads()})"
+                    f"\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
