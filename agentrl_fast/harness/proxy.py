@@ -36,6 +36,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import queue
+import re
 import secrets
 import socket
 import threading
@@ -51,6 +52,8 @@ from agentrl_fast.harness.proxy_session import (ChatRequest, Plan, ProxyError, R
                                                 make_reply, parse_request)
 from agentrl_fast.harness.trajectory import Trajectory
 from agentrl_fast.seeds import derive_seed
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 __all__ = ["Proxy", "ProxyError", "ProxyServer", "collect", "train", "train_step"]
 
@@ -190,8 +193,9 @@ class Proxy:
     def create_session(self, task_id: str | None = None, sample_index: int = 0,
                        session_id: str | None = None) -> str:
         """A new session (one rollout, ``rollout_id`` ``"proxy/<id>"``); returns its id."""
-        if session_id is not None and not (isinstance(session_id, str) and session_id.isidentifier()):
-            raise ProxyError(400, "session_id must be letters, digits and underscores",
+        if session_id is not None and not (isinstance(session_id, str)
+                                           and _SESSION_ID.fullmatch(session_id)):
+            raise ProxyError(400, "session_id must be 1 to 64 letters, digits, '_' or '-'",
                              "session_id")
         if task_id is not None and not isinstance(task_id, str):
             raise ProxyError(400, f"task_id must be a string, got {type(task_id).__name__}",
