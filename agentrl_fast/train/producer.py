@@ -89,14 +89,11 @@ class RolloutProducer:
         self.rank, self.size = rank, size  # this producer's positions: p % size == rank
         self.engine, self.model, self.tasks, self.seed = engine, model, list(tasks), seed
         self.capacity, self.version = capacity, version
-        # Intra-op threads are per thread (OpenMP). A generator computing here (a
-        # TorchGenerator) gets half, the learner (the caller's thread, restored by close()) the
-        # rest, so the two never oversubscribe the cores; one that waits on a server leaves
-        # them all to the learner.
-        self._learner_threads = torch.get_num_threads()
-        self.threads = max(self._learner_threads // 2, 1)
-        if isinstance(engine.generator, TorchGenerator):
-            torch.set_num_threads(max(self._learner_threads - self.threads, 1))
+        # Intra-op threads are per thread (OpenMP): generation takes half of them and the
+        # learner keeps all. A static split (learner on the other half) measured slower on 2
+        # cores: the learner is the bottleneck, and it gets the producer's core whenever the
+        # producer waits on tools (bench/results/async_static_threads/async.md).
+        self.threads = max(torch.get_num_threads() // 2, 1)
         self.inner = engine.generator
         engine.generator = _VersionedGenerator(self.inner, self)
         self.buffer: list[Group] = []
@@ -205,7 +202,6 @@ class RolloutProducer:
             pass
         self._thread.join(timeout=60)
         self.engine.generator = self.inner
-        torch.set_num_threads(self._learner_threads)
 
 
 def staleness_metrics(sub_traces: Sequence, learner_version: int,
