@@ -132,6 +132,39 @@ def test_a_rollout_across_a_weight_update_keeps_both_versions_and_log_probs(chat
                                        atol=1e-4, rtol=0)
 
 
+def test_abort_and_restart_trains_every_rollout_on_one_version(chat):
+    """partial_rollouts=False: a group whose weights change mid-episode starts again from its
+    first turn, so every kept rollout was sampled by one version (the new one), and the restart
+    is counted."""
+    policy = policy_for(chat)
+    moved = copy.deepcopy(policy)
+    with torch.no_grad():
+        for parameter in moved.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    trainer = Trainer(policy, chat, VaultEnvironment(),
+                      config(max_staleness=2, steps=1, partial_rollouts=False))
+    trainer.producer.close()  # restart it on a generator that switches weights mid-episode
+    model = copy.deepcopy(policy).eval()
+    generator = _Switching(TorchGenerator(model, pad_id=chat.tokenizer.pad_token_id or 0),
+                           trainer, moved)
+    from agentrl_fast.harness import RolloutEngine
+    from agentrl_fast.train.producer import RolloutProducer
+    engine = RolloutEngine(generator, chat, trainer.environment, trainer.config.rollout,
+                           memory=trainer.memory)
+    trainer.producer = RolloutProducer(engine, model, trainer.tasks, seed=0, start=0,
+                                       version=0, capacity=1, partial_rollouts=False)
+    try:
+        kept, _, _ = trainer.producer.take(1, max_lag=2, learner_version=1)
+        assert trainer.producer.restarted_groups >= 1
+    finally:
+        trainer.close()
+    for t in kept[0].trajectories:
+        assert {v for s in t.sub_traces for v in s.action_versions()} == {1}, t.rollout_id
+        assert t.rollout_id.endswith("/restart1")
+    with pytest.raises(ValueError, match="partial_rollouts=False"):
+        config(max_staleness=0, partial_rollouts=False)
+
+
 def test_decoupled_ppo_loss_equals_a_float64_reference():
     """AReaL's decoupled PPO: r = exp(l - p) in the clipped objective, each token's loss
     times w = min(exp(p - b), cap): ppo_loss with old = proximal p, rollout = behaviour b."""

@@ -79,6 +79,11 @@ class TrainConfig:
     # (learner steps) behind. 0: synchronous (roll out, then learn). Needs the recomputed
     # (proximal) log-probs and tis_cap (the behaviour importance weight's cap).
     max_staleness: int = 0
+    # Asynchronous: a rollout whose weights change mid-episode keeps its turns with the versions
+    # that sampled them (partial rollouts); False restarts its whole group from the first turn
+    # on the new weights (abort-and-restart: every rollout on one version, at the cost of the
+    # discarded turns; a group slower than a learner step may restart more than once).
+    partial_rollouts: bool = True
     grpo_normalize_std: bool = True
     # Dynamic sampling (DAPO): train only on task groups whose rollouts' rewards differ, rolling
     # out up to max_rollout_rounds batches of tasks_per_step tasks to find tasks_per_step of them.
@@ -140,6 +145,9 @@ class TrainConfig:
             raise ValueError("max_staleness > 0 needs recompute_logprobs=True (or None): the "
                              "proximal log-probs of asynchronous PPO are the learner's policy at "
                              "the start of the step, recomputed")
+        if not self.partial_rollouts and not self.max_staleness:
+            raise ValueError("partial_rollouts=False (abort-and-restart) applies to asynchronous "
+                             "training: set max_staleness > 0, or leave partial_rollouts True")
         if self.max_staleness and self.tis_cap is None:
             raise ValueError("max_staleness > 0 needs tis_cap: each token's loss is weighted by "
                              "min(exp(proximal - behaviour log-prob), tis_cap)")

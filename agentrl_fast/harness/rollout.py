@@ -93,6 +93,13 @@ class _Rollout:
     tool_results: list = field(default_factory=list)
     compact_next: bool = False
     done: bool = False
+    attempt: int = 0  # restarts of its group before this rollout (astream's abort-and-restart)
+
+
+def _oldest_version(rollouts: list[_Rollout]) -> int:
+    """The oldest weights version any action token of ``rollouts`` was sampled with."""
+    return min((v for r in rollouts for s in r.trajectory.sub_traces
+                for v in s.action_versions()), default=2 ** 62)
 
 
 @dataclass
@@ -104,6 +111,7 @@ class RolloutStats:
     wall_seconds: float = 0.0
     generate_seconds: float = 0.0
     tool_seconds: float = 0.0  # wall time during which at least one tool call ran
+    restarted_groups: int = 0  # astream's abort-and-restart mode
 
     @property
     def episodes_per_second(self) -> float:
@@ -248,29 +256,62 @@ class RolloutEngine:
 
     async def astream(self, groups: Iterator[tuple[Task, int]],
                       emit: Callable[[list[Trajectory]], None],
-                      room: Callable[[int], bool]) -> None:
+                      room: Callable[[int], bool],
+                      newest_version: Callable[[], int] | None = None) -> None:
         """Rollouts without end, as the asynchronous trainer needs them: while ``room(n)``
         (``n``: groups in flight) the next ``(task, seed)`` of ``groups`` starts a group of
         ``samples_per_task`` rollouts; every rollout steps as in the ``"overlap"`` schedule
         (the next generation batches whichever are ready); a group is passed to ``emit`` (its
         trajectories in sample order) once all its rollouts are done. Returns when ``groups``
         is exhausted and every group was emitted; cancel it to stop (in-flight groups are
-        dropped)."""
+        dropped).
+
+        ``newest_version`` (abort-and-restart instead of partial rollouts): when one of a
+        group's rollouts finishes a step while the group holds tokens sampled before
+        ``newest_version()``, the whole group starts again from its first turn (the same
+        episodes, under rollout ids of their own so that no old tool call touches the new
+        memory); what the old rollouts still had in flight is discarded
+        (``stats.restarted_groups``)."""
         self.stats = RolloutStats()
         self._clock = _ToolClock()
         members: dict[int, list[_Rollout]] = {}
+        started_as: dict[int, tuple[Task, int]] = {}  # a group's (task, seed), for restarts
         group_of: dict[int, int] = {}
         left: dict[int, int] = {}  # rollouts of a group not yet settled as done
         source, exhausted, started = iter(groups), False, 0
 
+        def start(key: int, attempt: int = 0) -> None:
+            task, seed = started_as[key]
+            members[key] = [self._start(task, sample, seed, attempt)
+                            for sample in range(self.config.samples_per_task)]
+            left[key] = len(members[key])
+            for rollout in members[key]:
+                group_of[id(rollout)] = key
+            for rollout in list(members[key]):
+                settle(rollout)
+
+        def restart(key: int) -> None:
+            old = {id(r) for r in members[key]}
+            for rollout_id in old:
+                group_of.pop(rollout_id, None)
+            pump.ready = deque(r for r in pump.ready if id(r) not in old)
+            self.stats.restarted_groups += 1
+            start(key, attempt=members[key][0].attempt + 1)
+
         def settle(rollout: _Rollout) -> None:  # ready for a generation, or done
+            key = group_of.get(id(rollout))
+            if key is None:  # a rollout of a group that was restarted: discarded
+                return
+            if newest_version is not None and _oldest_version(members[key]) < newest_version():
+                restart(key)
+                return
             if not rollout.done and self._prepare(rollout):
                 pump.ready.append(rollout)
                 return
-            key = group_of.pop(id(rollout))
+            del group_of[id(rollout)]
             left[key] -= 1
             if not left[key]:  # the group's last rollout settled
-                del left[key]
+                del left[key], started_as[key]
                 self.stats.episodes += self.config.samples_per_task
                 self.stats.tool_seconds = self._clock.busy
                 emit([r.trajectory for r in members.pop(key)])
@@ -284,13 +325,8 @@ class RolloutEngine:
                     exhausted = True
                     break
                 key, started = started, started + 1
-                members[key] = [self._start(task, sample, seed)
-                                for sample in range(self.config.samples_per_task)]
-                left[key] = len(members[key])
-                for rollout in members[key]:
-                    group_of[id(rollout)] = key
-                for rollout in list(members[key]):
-                    settle(rollout)
+                started_as[key] = (task, seed)
+                start(key)
             if pump.busy:
                 await pump.advance(timeout=0.05)  # room may come from another thread meanwhile
             elif exhausted and not members:
@@ -305,8 +341,8 @@ class RolloutEngine:
 
     # -- one rollout ----------------------------------------------------------------------------
 
-    def _start(self, task: Task, sample_index: int, seed: int) -> _Rollout:
-        rollout_id = f"{seed}/{task.id}/{sample_index}"
+    def _start(self, task: Task, sample_index: int, seed: int, attempt: int = 0) -> _Rollout:
+        rollout_id = f"{seed}/{task.id}/{sample_index}" + (f"/restart{attempt}" if attempt else "")
         if self.config.memory_scope == "rollout":
             memory = self.memory.namespace(rollout_id)
             memory.clear()
@@ -316,7 +352,8 @@ class RolloutEngine:
         episode = self.environment.start(task, memory, episode_seed)
         registry = ToolRegistry(episode.tools, default_timeout=self.config.tool_timeout)
         trajectory = Trajectory(rollout_id, task_id=task.id, sample_index=sample_index)
-        rollout = _Rollout(task, sample_index, trajectory, episode, registry, memory, episode_seed)
+        rollout = _Rollout(task, sample_index, trajectory, episode, registry, memory, episode_seed,
+                           attempt=attempt)
         trajectory.new_sub_trace().append_context(self._prompt_ids(rollout, summary=None))
         return rollout
 

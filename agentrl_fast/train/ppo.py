@@ -213,20 +213,20 @@ class Trainer:
             world.check(error, "the rollout producer")
         if world is not None:
             world.check(None, "the rollout producer")
-        now, tokens, fill = time.perf_counter(), self.producer.generated_tokens, self.producer.fill()
+        now, tokens = time.perf_counter(), self.producer.generated_tokens
         (since, before), self._last_take = self._last_take, (now, tokens)
-        rate = (tokens - before) / max(now - since, 1e-9)
+        totals = {"rollout_tokens_per_second": (tokens - before) / max(now - since, 1e-9),
+                  "buffer_groups": self.producer.fill(),
+                  "restarted_groups": self.producer.restarted_groups}
         if world is not None:  # every rank's groups, in stream order; the ranks' totals
-            kept, dropped, waited, rate, fill = gather_groups(world, kept, dropped,
-                                                              waited, rate, fill)
+            kept, dropped, waited, totals = gather_groups(world, kept, dropped, waited, totals)
         self.data_position = consume(self.data_position, self.consumed_ahead,
                                      [g.position for g in kept + dropped])
         stale = sum(self.step_index - g.oldest_version() > config.max_staleness
                     for g in dropped)
-        self._async_metrics = {"rollout_tokens_per_second": rate,
+        self._async_metrics = {**totals,
                                "learner_wait_seconds": waited, "stale_groups_dropped": stale,
                                "filtered_groups_dropped": len(dropped) - stale,
-                               "buffer_groups": fill,
                                # every group consumed so far (each exactly once, resumes included)
                                "groups_consumed": self.data_position + len(self.consumed_ahead),
                                "policy_version": self.step_index}

@@ -81,12 +81,13 @@ class RolloutProducer:
 
     def __init__(self, engine: RolloutEngine, model: torch.nn.Module, tasks: Sequence, *,
                  seed: int, start: int, skip: Sequence[int] = (), version: int, capacity: int,
-                 rank: int = 0, size: int = 1):
+                 rank: int = 0, size: int = 1, partial_rollouts: bool = True):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 group, got {capacity}")
         if not 0 <= rank < size:
             raise ValueError(f"rank must be in [0, size={size}), got {rank}")
         self.rank, self.size = rank, size  # this producer's positions: p % size == rank
+        self.partial_rollouts = partial_rollouts  # False: abort-and-restart (RolloutEngine.astream)
         self.engine, self.model, self.tasks, self.seed = engine, model, list(tasks), seed
         self.capacity, self.version = capacity, version
         # Intra-op threads are per thread (OpenMP): generation takes half of them and the
@@ -138,7 +139,8 @@ class RolloutProducer:
             self._ready.set()
             if self._stopping:
                 return
-            await self.engine.astream(self._groups(), self._emit, self._room)
+            await self.engine.astream(self._groups(), self._emit, self._room,
+                                      None if self.partial_rollouts else self.newest_version)
         try:
             asyncio.run(main())
         except asyncio.CancelledError:
@@ -158,6 +160,15 @@ class RolloutProducer:
             self.inner.update_weights(self.model)
             self.version = version
         return self.version
+
+    def newest_version(self) -> int:
+        """The newest published weights' version (swapped in at the next generate call)."""
+        with self._cond:
+            return self.version if self._pending is None else self._pending[1]
+
+    @property
+    def restarted_groups(self) -> int:
+        return self.engine.stats.restarted_groups
 
     # -- the learner's side ----------------------------------------------------------------
 
@@ -240,16 +251,16 @@ def rank_share(count: int, step: int, rank: int, size: int) -> int:
     return len(range((rank - step * count) % size, count, size))
 
 
-def gather_groups(world, kept: list[Group], dropped: list[Group], waited: float, rate: float,
-                  fill: int) -> tuple[list[Group], list[Group], float, float, int]:
-    """Every rank's kept and dropped groups (each by stream position), the longest wait, and
-    the summed producer rate and buffer fill: the same on every rank."""
-    parts = world.all_gather((kept, dropped, waited, rate, fill))
+def gather_groups(world, kept: list[Group], dropped: list[Group], waited: float,
+                  totals: dict[str, float]) -> tuple[list[Group], list[Group], float, dict]:
+    """Every rank's kept and dropped groups (each by stream position), the longest wait and
+    ``totals`` summed over ranks: the same on every rank."""
+    parts = world.all_gather((kept, dropped, waited, totals))
     by_position = lambda groups: sorted(groups, key=lambda g: g.position)  # noqa: E731
     return (by_position([g for part in parts for g in part[0]]),
             by_position([g for part in parts for g in part[1]]),
-            max(part[2] for part in parts), sum(part[3] for part in parts),
-            sum(part[4] for part in parts))
+            max(part[2] for part in parts),
+            {key: sum(part[3][key] for part in parts) for key in totals})
 
 
 def consume(position: int, consumed: set[int], positions: Sequence[int]) -> int:
@@ -279,4 +290,5 @@ def start_producer(trainer, custom_generator: bool) -> RolloutProducer:
     return RolloutProducer(engine, model, trainer.tasks, seed=config.seed,
                            start=trainer.data_position, skip=sorted(trainer.consumed_ahead),
                            version=trainer.step_index, rank=rank, size=size,
+                           partial_rollouts=config.partial_rollouts,
                            capacity=config.max_staleness * -(-config.tasks_per_step // size))
