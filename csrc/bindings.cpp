@@ -17,6 +17,13 @@ TORCH_LIBRARY(agentrl_fast, m) {
       "gae_out(Tensor rewards, Tensor values, Tensor cu_seqlens, Tensor? action_mask, "
       "Tensor? bootstrap_values, float gamma, float lam, bool validate, Tensor(a!) advantages, "
       "Tensor(b!) returns) -> ()");
+  // Tests only: the CUDA GAE kernel's look-back run by host threads (gae_lookback_emulation.cpp).
+  m.def(
+      "_gae_lookback_emulation(Tensor rewards, Tensor values, Tensor cu_seqlens, "
+      "Tensor? action_mask, Tensor? bootstrap_values, float gamma, float lam, int tile_size, "
+      "int threads, int tiles_per_thread, int max_delay_us, int seed, float deadline_seconds, "
+      "int drop_tile) "
+      "-> (Tensor advantages, Tensor returns, Tensor stats)");
   m.def(
       "varlen_attention_cpu_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, bool causal, "
       "float scale, Tensor(a!) out, Tensor(b!) lse) -> ()");
@@ -85,6 +92,7 @@ TORCH_LIBRARY_IMPL(agentrl_fast, CPU, m) {
   m.impl("swiglu_cpu_backward_out", &swiglu_cpu_backward_out_op);
   m.impl("gae", &agentrl_fast::gae);
   m.impl("gae_out", &gae_out_op);
+  m.impl("_gae_lookback_emulation", &agentrl_fast::gae_lookback_emulation);
   m.impl("varlen_attention_cpu_out", &varlen_attention_cpu_out_op);
   m.impl("varlen_attention_cpu_backward_out", &varlen_attention_cpu_backward_out_op);
 }

@@ -4,11 +4,12 @@
 // constant map right of its last token, so the scan over the whole packed batch needs no
 // segment logic: it runs over fixed tiles of kTile tokens whatever the length mix (4096 short
 // sequences, a long tail, one sequence of 10^6 tokens all run at the same speed). Tiles are
-// handed out right to left by an atomic ticket; each tile publishes its aggregate, then looks
-// back over the tiles to its right (decoupled look-back, as in CUB's single-pass scan) for the
-// carry entering it. A tile whose aggregate is constant (it contains a sequence end) publishes
-// its inclusive value at once, so look-back from the left stops there: with many short
-// sequences it is one hop. Inputs are read once and outputs written once: the kernel moves the
+// handed out right to left by an atomic ticket; each tile publishes its aggregate, then its
+// first warp looks back over the tiles to its right, 32 at a time (decoupled look-back, as in
+// CUB's single-pass scan; the code is gae_lookback.h, shared with a host emulation the tests
+// run) for the carry entering it. A tile whose aggregate is constant (it contains a sequence
+// end) publishes its inclusive value at once, so look-back from the left stops there: with
+// many short sequences it is one hop. Inputs are read once and outputs written once: the kernel moves the
 // minimum number of bytes.
 //
 // With validate=false, non-finite inputs may spread NaN into earlier sequences of the same or
@@ -21,6 +22,7 @@
 
 #include "gae.h"
 #include "gae_common.h"
+#include "gae_lookback.h"
 
 namespace agentrl_fast {
 namespace {
@@ -34,8 +36,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kTileSlots = kTile + kTile / 32;
 __device__ __forceinline__ int slot(int i) { return i + (i >> 5); }
 
-enum TileFlag : int { kNotReady = 0, kAggregateReady = 1, kInclusiveReady = 2 };
-
 template <typename acc_t>
 __device__ __forceinline__ GaeMap<acc_t> shuffle_down(const GaeMap<acc_t>& m, int offset) {
   GaeMap<acc_t> out;
@@ -48,20 +48,69 @@ __device__ __forceinline__ GaeMap<acc_t> shuffle_down(const GaeMap<acc_t>& m, in
 }
 
 template <typename acc_t>
-__device__ __forceinline__ void store_volatile(GaeMap<acc_t>* dst, const GaeMap<acc_t>& m) {
-  volatile acc_t* p = reinterpret_cast<volatile acc_t*>(dst);
-  p[0] = m.s;
-  p[1] = m.V;
-  p[2] = m.C;
-  p[3] = m.P;
-  p[4] = m.Q;
+__device__ __forceinline__ GaeMap<acc_t> shuffle_from(const GaeMap<acc_t>& m, int lane) {
+  return {__shfl_sync(0xffffffffu, m.s, lane), __shfl_sync(0xffffffffu, m.V, lane),
+          __shfl_sync(0xffffffffu, m.C, lane), __shfl_sync(0xffffffffu, m.P, lane),
+          __shfl_sync(0xffffffffu, m.Q, lane)};
 }
 
-template <typename acc_t>
-__device__ __forceinline__ GaeMap<acc_t> load_volatile(const GaeMap<acc_t>* src) {
-  const volatile acc_t* p = reinterpret_cast<const volatile acc_t*>(src);
-  return {p[0], p[1], p[2], p[3], p[4]};
-}
+// gae_lookback.h's Warp on the GPU: this thread is lane `lane` of a full warp.
+struct DeviceWarp {
+  int lane;
+
+  template <class T>
+  struct Lanes {
+    T value;
+    __device__ __forceinline__ const T& operator[](int) const { return value; }
+  };
+
+  template <class F>
+  __device__ __forceinline__ auto each(F f) const -> Lanes<decltype(f(0))> {
+    return {f(lane)};
+  }
+  __device__ __forceinline__ unsigned ballot(const Lanes<bool>& p) const {
+    return __ballot_sync(0xffffffffu, p.value);
+  }
+  __device__ __forceinline__ int first_lane(unsigned bits) const { return __ffs(bits) - 1; }
+  template <typename acc_t>
+  __device__ __forceinline__ GaeMap<acc_t> compose_first(const Lanes<GaeMap<acc_t>>& maps,
+                                                         int count) const {
+    // Suffix scan over the lanes: lane 0 ends with lane 0 ∘ ... ∘ lane 31 (identities past
+    // count), then broadcast.
+    GaeMap<acc_t> m = lane < count ? maps.value : gae_identity_map<acc_t>();
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const GaeMap<acc_t> right = shuffle_down(m, offset);
+      if (lane + offset < 32) m = gae_compose(m, right);
+    }
+    return shuffle_from(m, 0);
+  }
+  __device__ __forceinline__ bool leader() const { return lane == 0; }
+  __device__ __forceinline__ int load_flag(const int* p) const {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+  }
+  __device__ __forceinline__ void store_flag(int* p, int v) const {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  }
+  template <typename acc_t>
+  __device__ __forceinline__ GaeMap<acc_t> load_state(const GaeMap<acc_t>* src) const {
+    // volatile: read the global state the acquire ordered, never a stale cached copy.
+    const volatile acc_t* p = reinterpret_cast<const volatile acc_t*>(src);
+    return {p[0], p[1], p[2], p[3], p[4]};
+  }
+  template <typename acc_t>
+  __device__ __forceinline__ void store_state(GaeMap<acc_t>* dst, const GaeMap<acc_t>& m) const {
+    volatile acc_t* p = reinterpret_cast<volatile acc_t*>(dst);
+    p[0] = m.s;
+    p[1] = m.V;
+    p[2] = m.C;
+    p[3] = m.P;
+    p[4] = m.Q;
+  }
+  __device__ __forceinline__ void pause() const { __nanosleep(20); }
+};
 
 // Index b of the sequence holding token t (cu[b] <= t < cu[b+1]) or, for a token outside every
 // sequence (only with unvalidated cu_seqlens), -1 or num_sequences.
@@ -178,53 +227,21 @@ __global__ void __launch_bounds__(kThreads)
       s_right_of_warp[w] = right;
       right = gae_compose(s_warp[w], right);
     }
-    // `right` is now the tile's aggregate. Publish it, then find the carry from the right.
-    const GaeMap<acc_t> aggregate = right;
-    // A tile whose aggregate is constant (it holds a sequence end, or gamma * lam made the map
-    // forget its input) publishes its inclusive value at once, so tiles to its left stop here;
-    // but its own tokens right of its last constant point still need the carry from the right,
-    // so every tile except the last looks back.
-    const bool is_last = tile == num_tiles - 1;
-    const bool self_contained = is_last || gae_map_is_constant(aggregate);
-    if (self_contained) {
-      store_volatile(tile_inclusive + tile, aggregate);
-      __threadfence();
-      atomicExch(tile_flag + tile, kInclusiveReady);
-    } else {
-      store_volatile(tile_aggregate + tile, aggregate);
-      __threadfence();
-      atomicExch(tile_flag + tile, kAggregateReady);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // The first warp exchanges the carry with the tiles to the right (gae_lookback.h); the
+    // tile's aggregate is read from shared memory when needed.
+    const GaeTileStates<acc_t> states{tile_aggregate, tile_inclusive, tile_flag};
+    const auto aggregate = [&] { return gae_compose(s_warp[0], s_right_of_warp[0]); };
+    const GaeMap<acc_t> from_right =
+        gae_tile_carry(DeviceWarp{lane}, states, tile, num_tiles, aggregate);
+    if (lane == 0) {
+      acc_t vn = acc_t(0), an = acc_t(0);
+      gae_apply(from_right, vn, an);
+      s_carry_v = vn;
+      s_carry_a = an;
     }
-    GaeMap<acc_t> from_right = gae_identity_map<acc_t>();
-    if (!is_last) {
-      for (int64_t j = tile + 1; j < num_tiles; ++j) {
-        int flag;
-        while ((flag = *reinterpret_cast<volatile int*>(tile_flag + j)) == kNotReady) {
-#if __CUDA_ARCH__ >= 700
-          __nanosleep(20);
-#endif
-        }
-        __threadfence();
-        if (flag == kInclusiveReady) {
-          from_right = gae_compose(from_right, load_volatile(tile_inclusive + j));
-          break;
-        }
-        from_right = gae_compose(from_right, load_volatile(tile_aggregate + j));
-        if (gae_map_is_constant(from_right)) break;
-      }
-    }
-    if (!self_contained) {
-      // The aggregate again, from shared memory: keeping it live across the look-back loop
-      // made ptxas spill.
-      const GaeMap<acc_t> tile_map = gae_compose(s_warp[0], s_right_of_warp[0]);
-      store_volatile(tile_inclusive + tile, gae_compose(tile_map, from_right));
-      __threadfence();
-      atomicExch(tile_flag + tile, kInclusiveReady);
-    }
-    acc_t vn = acc_t(0), an = acc_t(0);
-    gae_apply(from_right, vn, an);
-    s_carry_v = vn;
-    s_carry_a = an;
   }
   __syncthreads();
 

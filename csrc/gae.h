@@ -38,6 +38,15 @@ void gae_cuda_kernel(const at::Tensor& rewards, const at::Tensor& values,
                      at::Tensor& advantages, at::Tensor& returns);
 #endif
 
+// For the tests: the CUDA kernel's tile scan emulated on the host (gae_lookback_emulation.cpp),
+// float32 or float64 in and out, the third output the look-back's statistics.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gae_lookback_emulation(
+    const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& cu_seqlens,
+    const std::optional<at::Tensor>& action_mask,
+    const std::optional<at::Tensor>& bootstrap_values, double gamma, double lam,
+    int64_t tile_size, int64_t threads, int64_t tiles_per_thread, int64_t max_delay_us,
+    int64_t seed, double deadline_seconds, int64_t drop_tile);
+
 // Accumulation dtype of the kernels for a given input dtype on a given device.
 at::ScalarType gae_output_dtype(at::ScalarType input_dtype);
 
