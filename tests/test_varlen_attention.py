@@ -764,3 +764,19 @@ def test_opcheck_backward_and_validate(backend):
     args = (torch.randn_like(out), q, k, v, out, lse, cu, max_seqlen, False, 0.3, False, backend)
     torch.library.opcheck(torch.ops.agentrl_fast.varlen_attention_backward.default, args)
     torch.library.opcheck(torch.ops.agentrl_fast.validate_cu_seqlens.default, (cu, 9, max_seqlen))
+
+
+def test_tile_tables_are_built_once_per_cu_seqlens_tensor():
+    """The layers of one forward share the tile table of their cu_seqlens; a new tensor or an
+    in-place change gets a fresh one."""
+    from agentrl_fast.ops.varlen_attention_triton import cached_tile_table, tile_table
+    cu = torch.tensor([0, 5, 5, 37, 40], dtype=torch.int32)
+    first = cached_tile_table(cu, 40, 16, True)
+    assert cached_tile_table(cu, 40, 16, True) is first
+    assert cached_tile_table(cu, 40, 16, True, by_length=True) is not first
+    for got, want in zip(first[:3], tile_table(cu, 40, 16, True)[:3]):
+        assert torch.equal(got, want)
+    cu[2] = 9  # in place: the cached table no longer describes it
+    fresh = cached_tile_table(cu, 40, 16, True)
+    assert fresh is not first and torch.equal(fresh[0], tile_table(cu, 40, 16, True)[0])
+    assert cached_tile_table(cu.clone(), 40, 16, True) is not fresh

@@ -34,13 +34,12 @@ traced by ``torch.compile`` (untested under compile).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from agentrl_fast.models.wrappers import is_sharded, unwrap  # noqa: F401  (old home)
 
 from agentrl_fast.ops._checks import check_cu_seqlens_metadata, validate_cu_seqlens
+from agentrl_fast.ops._tensor_memo import TensorMemo
 from agentrl_fast.ops.varlen_attention import varlen_attention
 
 ATTN_NAME = "agentrl_varlen"
@@ -52,46 +51,7 @@ __all__ = ["ATTN_NAME", "packed_attention_forward", "packed_attention_mask", "pa
            "register_attention", "use_packed_attention"]
 
 
-# ---------------------------------------------------------------------------------------------
-# Per-tensor memo: facts about a tensor (validated cu_seqlens, cu_seqlens derived from position
-# ids) kept while the tensor lives and is not modified in place.
-
-def _version(tensor: torch.Tensor) -> int:
-    try:
-        return tensor._version
-    except RuntimeError:  # inference tensors (torch.inference_mode) track no version
-        return -1
-
-
-class _TensorMemo:
-    def __init__(self):
-        self._entries: dict[int, tuple[weakref.ref, int, dict]] = {}
-
-    def _facts(self, tensor: torch.Tensor, create: bool) -> dict | None:
-        key = id(tensor)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is tensor and entry[1] == _version(tensor):
-            return entry[2]
-        if not create:
-            return None
-        entries = self._entries
-        ref = weakref.ref(tensor, lambda _, key=key: entries.pop(key, None))
-        facts: dict = {}
-        entries[key] = (ref, _version(tensor), facts)
-        return facts
-
-    def get(self, tensor: torch.Tensor, fact):
-        facts = self._facts(tensor, create=False)
-        return None if facts is None else facts.get(fact)
-
-    def put(self, tensor: torch.Tensor, fact, value) -> None:
-        self._facts(tensor, create=True)[fact] = value
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-_MEMO = _TensorMemo()
+_MEMO = TensorMemo()
 
 
 def _ensure_validated(cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int) -> None:

@@ -10,7 +10,8 @@ Scheduling (no host sync): ``tile_table`` turns ``cu_seqlens`` into the list of 
 (sequence, block) tiles on the device, sorted so the longest work comes first: under a causal
 mask a forward tile's work is the number of keys it visits, ``min((block + 1) * BLOCK_M, L)``
 (the last blocks of the longest sequences first), without one it is ``L``; a backward tile
-costs ``~L`` either way (see the kernels' docstring). The grid needs a size known on the host
+costs ``~L`` either way (see the kernels' docstring). The tables are built once per
+``cu_seqlens`` tensor (``cached_tile_table``): the layers of one forward share them. The grid needs a size known on the host
 without reading ``cu_seqlens``: ``sum_b ceil(L_b / BLOCK) <= T // BLOCK + B`` (each sequence
 wastes less than one block), and at most ``T`` (each tile holds a token). The slots past the
 real count (at most ``B``) are marked ``-1`` and their programs exit at once: a tail of cheap
@@ -40,6 +41,7 @@ import os
 import torch
 
 from agentrl_fast.ops._attention_backends import MAX_HEAD_DIM, Backend
+from agentrl_fast.ops._tensor_memo import TensorMemo
 
 try:
     import triton
@@ -125,6 +127,22 @@ def tile_table(cu_seqlens: torch.Tensor, num_tokens: int, block: int, causal: bo
     return bounds.to(torch.int32), tile_sequence, tile_block, slots
 
 
+# The tile tables of a cu_seqlens tensor: built once, shared by the layers of a forward (and
+# of its backward), forgotten when the tensor is freed or modified in place.
+_TABLES = TensorMemo()
+
+
+def cached_tile_table(cu_seqlens: torch.Tensor, num_tokens: int, block: int, causal: bool,
+                      by_length: bool = False):
+    """:func:`tile_table`, computed once per ``cu_seqlens`` tensor and arguments."""
+    fact = ("tile_table", num_tokens, block, bool(causal), by_length)
+    table = _TABLES.get(cu_seqlens, fact)
+    if table is None:
+        table = tile_table(cu_seqlens, num_tokens, block, causal, by_length)
+        _TABLES.put(cu_seqlens, fact, table)
+    return table
+
+
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     """The kernels take any token/head strides but a unit stride on the head dimension."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -155,8 +173,8 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic, out,
     dtype = _DTYPE_NAMES[q.dtype]
     padded = kernels.padded_head_dim(head_dim)
     config = kernels.forward_config(dtype, head_dim)
-    bounds, tile_sequence, tile_block, slots = tile_table(cu_seqlens, num_tokens,
-                                                          config["BLOCK_M"], causal)
+    bounds, tile_sequence, tile_block, slots = cached_tile_table(cu_seqlens, num_tokens,
+                                                                 config["BLOCK_M"], causal)
     grid = (slots * num_heads_q,)
     with _device_guard(q):
         kernels.varlen_attention_forward_kernel[grid](
@@ -189,8 +207,8 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, de
     delta = torch.empty(num_heads_q, num_tokens, dtype=torch.float32, device=q.device)
     if lse.stride(0) != delta.stride(0):
         lse = lse.contiguous()
-    bounds, tile_sequence, tile_block, slots = tile_table(cu_seqlens, num_tokens,
-                                                          config["BLOCK"], causal, by_length=True)
+    bounds, tile_sequence, tile_block, slots = cached_tile_table(
+        cu_seqlens, num_tokens, config["BLOCK"], causal, by_length=True)
     with _device_guard(q):
         block_t = kernels.PREPROCESS_BLOCK_T
         preprocess_grid = (triton.cdiv(num_tokens, block_t), num_heads_q)
