@@ -39,6 +39,7 @@ import os
 
 import triton
 import triton.language as tl
+from .tuned import tuned
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -64,8 +65,15 @@ def padded_head_dim(head_dim: int) -> int:
 
 def forward_config(dtype: str, head_dim: int) -> dict:
     """Launch configuration of the forward for ``dtype`` ("bf16", "fp16", "fp32") and
-    ``head_dim``: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` (tuned for sm_90)."""
+    ``head_dim``: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; the tuning sweep's
+    for this GPU where it wrote one (``kernels/tuned.py``), else the defaults below."""
     padded = padded_head_dim(head_dim)
+    return tuned("varlen_attention_forward", f"{dtype}_d{padded}",
+                 default_forward_config(dtype, padded))
+
+
+def default_forward_config(dtype: str, padded: int) -> dict:
+    """The forward's configuration chosen from sm_90 compiles (registers, spills)."""
     if dtype == "fp32":  # fp32 operands take twice the registers and shared memory
         if padded <= 64:
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
@@ -80,8 +88,14 @@ def forward_config(dtype: str, head_dim: int) -> dict:
 
 
 def backward_config(dtype: str, head_dim: int) -> dict:
-    """Launch configuration of the backward: tile ``BLOCK`` tokens, inner ``STEP`` rows."""
+    """Launch configuration of the backward (the sweep's where it wrote one, as the forward)."""
     padded = padded_head_dim(head_dim)
+    return tuned("varlen_attention_backward", f"{dtype}_d{padded}",
+                 default_backward_config(dtype, padded))
+
+
+def default_backward_config(dtype: str, padded: int) -> dict:
+    """The backward's configuration: tile ``BLOCK`` tokens, inner ``STEP`` rows."""
     if dtype == "fp32":  # (ptxas: no spills at D <= 128, 496 bytes at D 256; with 4 warps
         # D 256 spilled 17-171 KB and took ptxas a minute)
         if padded <= 64:
@@ -432,6 +446,7 @@ def aot_specs():
                                       "IEEE": dtype == "fp32"},
                        "num_warps": config["num_warps"], "num_stages": config["num_stages"],
                        "hints": _launch_hints(_forward_signature(dtype)),
+                       "tuning": ("varlen_attention_forward", f"{dtype}_d{padded}"),
                        # only the bf16/fp16 forward at D 64/128 must not spill (the issue)
                        "allow_spills": not (dtype != "fp32" and padded in (64, 128) and even)}
                 config = backward_config(dtype, padded)
@@ -442,6 +457,7 @@ def aot_specs():
                                       "STEP": config["STEP"], "IEEE": dtype == "fp32"},
                        "num_warps": config["num_warps"], "num_stages": config["num_stages"],
                        "hints": _launch_hints(_backward_signature(dtype)),
+                       "tuning": ("varlen_attention_backward", f"{dtype}_d{padded}"),
                        "allow_spills": True}  # spills are recorded in bench/results/
         pointer = f"*{dtype}"
         yield {"name": f"varlen_attention_backward_preprocess_{dtype}",
