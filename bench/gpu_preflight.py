@@ -31,6 +31,7 @@ BENCH = ("torch", "triton", "numpy")
 # tests/test_gpu_suite.py checks this against the stages' sources.
 STAGE_MODULES = {
     "build": ("setuptools", "torch"),
+    "tune": BENCH,
     "bench_gae": BENCH,
     "bench_varlen_attention": BENCH,
     "bench_token_logprobs": BENCH,
@@ -46,6 +47,7 @@ OPTIONAL_MODULES = ("flash_attn", "liger_kernel", "torchrl", "httpx")
 # The scripts each stage runs: the sources tests/test_gpu_suite.py scans for STAGE_MODULES.
 STAGE_SCRIPTS = {
     "build": (),
+    "tune": ("bench/tune_kernels.py",),
     "bench_gae": ("bench/bench_gae.py",),
     "bench_varlen_attention": ("bench/bench_varlen_attention.py",),
     "bench_token_logprobs": ("bench/bench_token_logprobs.py",),

@@ -10,7 +10,9 @@
 #   bench/gpu_suite.sh --plan                           # the stages and their caps
 #
 # Files in OUT_DIR: summary.txt (one line per stage), preflight.txt, build.log, warm.log,
-# bench.log (every benchmark's output), rows.jsonl (every benchmark's rows; a benchmark cut off
+# bench.log (every benchmark's output, the tuning sweep's too), tune.md and tuned_configs.json
+# (the sweep's choices, which the later stages use: commit the file as
+# kernels/tuned_configs.json), rows.jsonl (every benchmark's rows; a benchmark cut off
 # midway leaves its rows in <op>.jsonl), tests.log, sanitize.log. Exit status: non-zero when a
 # stage failed or timed out. A stage whose modules the preflight could not import is skipped
 # with the reason (not a failure of the suite); a stage with under 10 s of the suite left is
@@ -18,8 +20,8 @@
 set -u
 
 # name:cap (seconds), in the order they run. The caps sum to SUITE_SECONDS (a CI test checks).
-STAGES=(preflight:15 build:75 bench_gae:35 bench_varlen_attention:65 bench_token_logprobs:35
-        bench_ppo_loss:25 bench_compiled:45 tests:80 sanitize:45)
+STAGES=(preflight:15 build:70 tune:60 bench_gae:30 bench_varlen_attention:55
+        bench_token_logprobs:30 bench_ppo_loss:20 bench_compiled:25 tests:75 sanitize:40)
 
 plan() {
   local total=0 entry
@@ -144,13 +146,24 @@ bench() {  # bench OP ARGS...: bench/bench_OP.py; its rows move to rows.jsonl wh
   return $rc
 }
 
+tune() {
+  # The tuning sweep (bench/tune_kernels.py): on the GPU its choices go to
+  # kernels/tuned_configs.json, where the ops read them, so the stages after it use them.
+  "$PYTHON" bench/tune_kernels.py --device "$DEVICE" $TINY_FLAG --budget $(( STAGE_CAP - 10 )) \
+    --out-dir "$OUT"
+  local rc=$?
+  if [ -f "$OUT/tune.jsonl" ]; then cat "$OUT/tune.jsonl" >> "$OUT/rows.jsonl" && rm "$OUT/tune.jsonl"; fi
+  if [ "$DEVICE" = cuda ] && [ -f kernels/tuned_configs.json ]; then cp kernels/tuned_configs.json "$OUT/"; fi
+  return $rc
+}
+
 bench_compiled() {
   # Compiled baselines (torch.compile, compiled flex_attention), each beside ours in its own
   # process, after every eager headline number is in.
   local rc=0
   bench ppo_loss --only-compiled || rc=1
-  bench token_logprobs --only-compiled --budget-seconds 10 || rc=1
-  bench varlen_attention --skip "agentrl_fast backend" sdpa --mix long-tail --time-budget 10 || rc=1
+  bench token_logprobs --only-compiled --budget-seconds 6 || rc=1
+  bench varlen_attention --skip "agentrl_fast backend" sdpa --mix long-tail --time-budget 6 || rc=1
   return $rc
 }
 
@@ -210,12 +223,13 @@ run_stage() {
   case "$1" in
     preflight) stage preflight preflight.txt preflight ;;
     build) stage build build.log build ;;
+    tune) stage tune bench.log tune ;;
     bench_gae) stage bench_gae bench.log bench gae --max-seconds 2 ;;
     bench_varlen_attention)
       stage bench_varlen_attention bench.log bench varlen_attention --skip flex_attention \
-        --time-budget 45 ;;
+        --time-budget 38 ;;
     bench_token_logprobs)
-      stage bench_token_logprobs bench.log bench token_logprobs --no-compile --budget-seconds 25 \
+      stage bench_token_logprobs bench.log bench token_logprobs --no-compile --budget-seconds 22 \
         --max-seconds 2 ;;
     bench_ppo_loss) stage bench_ppo_loss bench.log bench ppo_loss --no-compile --max-seconds 2 ;;
     bench_compiled) stage bench_compiled bench.log bench_compiled ;;
@@ -226,7 +240,7 @@ run_stage() {
 }
 
 export DEVICE PYTHON OUT TINY_FLAG="${TINY[*]:-}"
-export -f preflight build bench bench_compiled gpu_tests sanitize
+export -f preflight build tune bench bench_compiled gpu_tests sanitize
 WARM_PID=
 for entry in "${STAGES[@]}"; do
   run_stage "${entry%%:*}"

@@ -27,6 +27,8 @@ This module imports triton only.
 import triton
 import triton.language as tl
 
+from .tuned import tuned
+
 # The launcher picks BLOCK_V by vocabulary size: (V below which it applies, BLOCK_V, num_warps).
 # Every entry is compiled for sm_90 by aot_specs().
 BLOCK_CONFIGS = ((16384, 1024, 4), (None, 4096, 8))
@@ -34,10 +36,13 @@ LOGIT_DTYPES = ("bf16", "fp16", "fp32")
 
 
 def block_config(vocab_size: int) -> tuple[int, int]:
-    """``(BLOCK_V, num_warps)`` the launcher uses for a vocabulary of ``vocab_size``."""
+    """``(BLOCK_V, num_warps)`` the launcher uses for a vocabulary of ``vocab_size``: the range's
+    default, or the tuning sweep's for this GPU (``kernels/tuned.py``, key ``block<default>``)."""
     for limit, block_v, num_warps in BLOCK_CONFIGS:
         if limit is None or vocab_size < limit:
-            return block_v, num_warps
+            config = tuned("token_logprobs", f"block{block_v}",
+                           {"BLOCK_V": block_v, "num_warps": num_warps})
+            return config["BLOCK_V"], config["num_warps"]
     raise AssertionError("unreachable")
 
 
@@ -152,6 +157,7 @@ def aot_specs():
                     "constexprs": {"COMPUTE_ENTROPY": with_entropy, "BLOCK_V": block_v},
                     "hints": {"divisible_by_16": ["stride_row", "V"]},
                     "num_warps": num_warps, "num_stages": 1,
+                    "tuning": ("token_logprobs", f"block{block_v}"),
                 }
                 yield {
                     "name": f"token_logprobs_backward_{suffix}",
@@ -166,4 +172,5 @@ def aot_specs():
                     "constexprs": {"HAS_GRAD_ENTROPY": with_entropy, "BLOCK_V": block_v},
                     "hints": {"divisible_by_16": ["stride_row", "grad_stride_row", "V"]},
                     "num_warps": num_warps, "num_stages": 1,
+                    "tuning": ("token_logprobs", f"block{block_v}"),
                 }

@@ -14,6 +14,7 @@ path), ``{"<GPU name>": {"<op>": {"<key>": {config}}}}``; the GPU name is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -54,8 +55,24 @@ def _device_entries(path: str, device: str | None) -> dict:
     return _load(path).get(device, {}) if device is not None else {}
 
 
+_FORCED: dict[tuple[str, str], dict] = {}
+
+
+@contextlib.contextmanager
+def forced(op: str, key: str, config: dict):
+    """Within the block ``tuned(op, key, ...)`` returns ``config``, on any device (how the
+    sweep launches its candidates)."""
+    _FORCED[(op, key)] = dict(config)
+    try:
+        yield
+    finally:
+        _FORCED.pop((op, key), None)
+
+
 def tuned(op: str, key: str, default: dict) -> dict:
     """The tuned configuration of ``op`` / ``key`` on this GPU, else ``default``."""
+    if (op, key) in _FORCED:
+        return dict(_FORCED[(op, key)])
     entries = _device_entries(str(tuned_path()), device_name())
     config = entries.get(op, {}).get(key)
     if config is None or set(config) != set(default):
@@ -63,14 +80,13 @@ def tuned(op: str, key: str, default: dict) -> dict:
     return dict(config)
 
 
-def tuned_variants(op: str, key: str, default: dict) -> list[dict]:
-    """Every tuned configuration of ``op`` / ``key`` on any GPU in the file that differs from
-    ``default`` and has its keys (what ``tests/triton_aot.py`` compiles besides the default)."""
+def tuned_variants(op: str, key: str) -> list[dict]:
+    """Every configuration the file holds for ``op`` / ``key``, on any GPU, once each (what
+    ``tests/triton_aot.py`` compiles besides the defaults)."""
     out: list[dict] = []
     for entries in _load(str(tuned_path())).values():
         config = entries.get(op, {}).get(key)
-        if config is not None and set(config) == set(default) and config != default \
-                and config not in out:
+        if config is not None and config not in out:
             out.append(dict(config))
     return out
 

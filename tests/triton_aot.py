@@ -8,6 +8,8 @@ any triton version in a side environment: ``python tests/triton_aot.py``. Each m
     {"name": str, "fn": <@triton.jit function>, "signature": {arg: "*fp32" | "i32" | ... |
      "constexpr"}, "constexprs": {arg: value}, "num_warps": int, "num_stages": int,
      "allow_spills": bool (optional, default False),
+     "tuning": (op, key) (optional: kernels/tuned.py's name of its launch, whose tuned
+               configurations are compiled too),
      "hints": {"divisible_by_16": [int arg, ...], "equal_to_1": [int arg, ...]} (optional)}
 
 one per configuration the launcher can pick. Launch hints: triton's launcher specialises every
@@ -69,11 +71,12 @@ def load_kernel_modules():
         if path.name == "__init__.py":
             continue
         name = f"{package}.{path.stem}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        modules.append(module)
+        if name not in sys.modules:  # not already loaded by another's relative import
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        modules.append(sys.modules[name])
     return modules
 
 
@@ -275,9 +278,37 @@ def compile_cost(spec: dict) -> tuple:
             "_fp32_" in spec["name"], constexprs.get("HEAD_DIM", 0))
 
 
+def with_tuned_variants(specs: list[dict], tuned) -> list[dict]:
+    """``specs`` plus, for each spec with a ``tuning`` key ``(op, key)``, one spec per
+    configuration the tuning sweep wrote for it (``kernels/tuned.py``, any GPU): the launcher
+    may pick those too. A tuned config's ``num_warps`` / ``num_stages`` replace the spec's, its
+    other entries the constexprs of the same name; one without ``num_warps`` (every sweep's
+    has it) or naming anything else is ignored."""
+    out = list(specs)
+    for spec in specs:
+        if "tuning" not in spec:
+            continue
+        for index, config in enumerate(tuned.tuned_variants(*spec["tuning"])):
+            if "num_warps" not in config or not set(config) <= (
+                    set(spec["constexprs"]) | {"num_warps", "num_stages"}):
+                continue  # not a configuration of this kernel (a stale sweep)
+            variant = dict(spec, name=f"{spec['name']}_tuned{index}",
+                           constexprs={**spec["constexprs"],
+                                       **{k: v for k, v in config.items()
+                                          if k in spec["constexprs"]}})
+            variant.update({k: config[k] for k in ("num_warps", "num_stages") if k in config})
+            if variant["constexprs"] != spec["constexprs"] or any(
+                    variant[k] != spec[k] for k in ("num_warps", "num_stages")):
+                out.append(variant)
+    return out
+
+
 def main() -> int:
-    for module in load_kernel_modules():
+    modules = load_kernel_modules()
+    for module in modules:
         SPECS.extend(getattr(module, "aot_specs", lambda: [])())
+    tuned = next(m for m in modules if m.__name__.endswith(".tuned"))
+    SPECS[:] = with_tuned_variants(SPECS, tuned)
     only = sys.argv[1:]  # optional: names to compile (spot checks)
     if only:
         SPECS[:] = [spec for spec in SPECS if spec["name"] in only]
