@@ -21,14 +21,16 @@ Kernels:
   sequence and below the diagonal run without masks, the diagonal/tail blocks with them; writes
   ``out`` and ``lse``.
 - ``varlen_attention_backward_preprocess_kernel``: ``delta[h, t] = sum_d dout * out``.
-- ``varlen_attention_backward_kernel``: one program per (tile of ``BLOCK`` tokens, KV head).
-  Phase 1: the tile as keys: ``dk``, ``dv`` summed over the query heads of the group in
-  registers, over query steps of ``STEP`` rows. Phase 2: the tile as queries: ``dq`` of each
-  query head of the group, over key steps of ``STEP`` rows. No atomics, so the backward is
-  deterministic (bitwise run to run) whether or not it is asked to be; the price is recomputing
-  ``q k^T`` and ``dout v^T`` in phase 2 (7 matrix products per block pair instead of 5). Under a
-  causal mask phase 1 of block j visits ``n - j`` query blocks and phase 2 ``j + 1`` key blocks,
-  so every tile of a sequence costs the same: tiles are ordered by sequence length.
+- ``varlen_attention_backward_dkdv_kernel``: FlashAttention-2's backward, one program per (key
+  tile of ``BLOCK`` tokens, KV head): ``dk``, ``dv`` summed in registers over the query heads of
+  the group and over query blocks of ``STEP`` rows (from the diagonal on under a causal mask);
+  per block pair ``S^T = K Q^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q`` and, with
+  ``ATOMIC_DQ`` (the default), ``dQ += dS K`` added to a float32 buffer by atomics (relaxed
+  reductions): 5 matrix products. The order of those float32 additions varies run to run.
+- ``varlen_attention_backward_dq_kernel``: the deterministic backward's second pass (the dk/dv
+  kernel then runs without ``ATOMIC_DQ``): one program per (query tile of ``BLOCK_M``, query
+  head) over key blocks of ``BLOCK_N``: ``S``, ``dP`` again and ``dQ += dS K`` (3 products; 7
+  per block pair in all), bitwise reproducible.
 
 ``causal`` is a runtime flag (it changes loop bounds and the masks of the diagonal blocks only),
 and ``head_dim`` is padded to a power of two ``HEAD_DIM`` (``EVEN_D``: no padding, no masks on
@@ -88,22 +90,49 @@ def default_forward_config(dtype: str, padded: int) -> dict:
 
 
 def backward_config(dtype: str, head_dim: int) -> dict:
-    """Launch configuration of the backward (the sweep's where it wrote one, as the forward)."""
+    """Launch configuration of the backward's dk/dv kernel (the sweep's where it wrote one, as
+    the forward): key tiles of ``BLOCK`` tokens, query blocks of ``STEP`` rows."""
     padded = padded_head_dim(head_dim)
     return tuned("varlen_attention_backward", f"{dtype}_d{padded}",
                  default_backward_config(dtype, padded))
 
 
 def default_backward_config(dtype: str, padded: int) -> dict:
-    """The backward's configuration: tile ``BLOCK`` tokens, inner ``STEP`` rows."""
-    if dtype == "fp32":  # (ptxas: no spills at D <= 128, 496 bytes at D 256; with 4 warps
-        # D 256 spilled 17-171 KB and took ptxas a minute)
+    """Hinted compiles under triton 3.6 (bench/results/triton_compile.md): the largest shapes
+    without spills in bf16/fp16 at D 64 and 128 with the atomic dq. D 64: 64 x 64 with one
+    warpgroup (all wgmma m64n64k16; 128 keys x 8 warps splits dq's M = 64 into m64n32);
+    D 128: 128 keys x 32 queries with 8 warps (each warpgroup owns 64 keys; 64-query blocks
+    spill 56-148 bytes); pipelining (num_stages 2) spills at both."""
+    if dtype == "fp32":  # IEEE fp32 products take no wgmma; spills allowed (not a hot path)
         if padded <= 64:
             return dict(BLOCK=64, STEP=32, num_warps=8, num_stages=1)
         return dict(BLOCK=32, STEP=16, num_warps=8, num_stages=1)
-    if padded <= 128:  # (ptxas: 48 / 1300 spill bytes at D 64 / 128; 128-token tiles spill more)
-        return dict(BLOCK=64, STEP=64, num_warps=8, num_stages=2)
+    if padded <= 64:
+        return dict(BLOCK=64, STEP=64, num_warps=4, num_stages=1)
+    if padded == 128:
+        return dict(BLOCK=128, STEP=32, num_warps=8, num_stages=1)
     return dict(BLOCK=64, STEP=32, num_warps=8, num_stages=1)
+
+
+def backward_dq_config(dtype: str, head_dim: int) -> dict:
+    """Launch configuration of the deterministic backward's dq kernel: query tiles of
+    ``BLOCK_M``, key blocks of ``BLOCK_N`` (``BLOCK_M % BLOCK_N == 0``: the causal diagonal
+    starts on a key block)."""
+    padded = padded_head_dim(head_dim)
+    return tuned("varlen_attention_backward_dq", f"{dtype}_d{padded}",
+                 default_backward_dq_config(dtype, padded))
+
+
+def default_backward_dq_config(dtype: str, padded: int) -> dict:
+    """128 queries x 64 keys with 8 warps: no spills in bf16/fp16 at D 64/128 under triton 3.6
+    with 2 stages (158 / 205 registers), every wgmma m64n64k16 or m64n128k16."""
+    if dtype == "fp32":
+        if padded <= 64:
+            return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)
+        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=1)
+    if padded <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,27 +288,32 @@ def varlen_attention_backward_preprocess_kernel(
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_step, offs_n, offs_d,
-               stride_qt, stride_dot, head_dim, length, qk_scale, causal,
-               EVEN_D: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
-    """Queries ``m0 + offs_step`` against the tile's keys ``offs_n``: accumulate dk, dv."""
+               stride_qt, stride_dot, head_dim, length, qk_scale, causal, dq_base, stride_dqt,
+               EVEN_D: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """Queries ``m0 + offs_step`` against the tile's keys ``offs_n`` (masked): accumulate dk,
+    dv; with ``ATOMIC_DQ`` also add these keys' share of dq (unscaled, float32) at
+    ``dq_base``: 5 matrix products, 4 without."""
     rows_m = m0 + offs_step
     m_valid = rows_m < length
-    q = _load_rows(q_base, rows_m, stride_qt, offs_d, head_dim, m_valid, EVEN_D, not MASKED)
-    do = _load_rows(do_base, rows_m, stride_dot, offs_d, head_dim, m_valid, EVEN_D, not MASKED)
-    if MASKED:
-        lse2 = tl.load(lse_base + rows_m, mask=m_valid, other=0.0) * LOG2E
-        delta = tl.load(delta_base + rows_m, mask=m_valid, other=0.0)
-    else:
-        lse2 = tl.load(lse_base + rows_m) * LOG2E
-        delta = tl.load(delta_base + rows_m)
+    q = _load_rows(q_base, rows_m, stride_qt, offs_d, head_dim, m_valid, EVEN_D, False)
+    do = _load_rows(do_base, rows_m, stride_dot, offs_d, head_dim, m_valid, EVEN_D, False)
+    lse2 = tl.load(lse_base + rows_m, mask=m_valid, other=0.0) * LOG2E
+    delta = tl.load(delta_base + rows_m, mask=m_valid, other=0.0)
     p_t = tl.math.exp2(_dot(k, tl.trans(q), IEEE) * qk_scale - lse2[None, :])   # [BLOCK, STEP]
-    if MASKED:
-        keep = m_valid[None, :] & ((rows_m[None, :] >= offs_n[:, None]) | (causal == 0))
-        p_t = tl.where(keep, p_t, 0.0)
+    keep = m_valid[None, :] & ((rows_m[None, :] >= offs_n[:, None]) | (causal == 0))
+    p_t = tl.where(keep, p_t, 0.0)
     dv += _dot(p_t.to(do.dtype), do, IEEE)
     dp_t = _dot(v, tl.trans(do), IEEE)
     ds_t = p_t * (dp_t - delta[None, :])
     dk += _dot(ds_t.to(q.dtype), q, IEEE)
+    if ATOMIC_DQ:  # relaxed: a reduction needs no ordering (RED, no fences)
+        dq = _dot(tl.trans(ds_t.to(k.dtype)), k, IEEE)                          # [STEP, HEAD_DIM]
+        ptrs = dq_base + rows_m[:, None].to(tl.int64) * stride_dqt + offs_d[None, :]
+        if EVEN_D:
+            tl.atomic_add(ptrs, dq, mask=m_valid[:, None], sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, dq, mask=m_valid[:, None] & (offs_d < head_dim)[None, :],
+                          sem="relaxed")
     return dk, dv
 
 
@@ -303,85 +337,96 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_step, offs
 
 
 @triton.jit
-def varlen_attention_backward_kernel(
+def varlen_attention_backward_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DQ, DK, DV, CU, TILE_SEQUENCE, TILE_BLOCK,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h,
         num_heads_k, groups, head_dim, softmax_scale, causal,
-        HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK: tl.constexpr, STEP: tl.constexpr,
-        IEEE: tl.constexpr):
-    """dk, dv of one (key tile, KV head) summed over the group's query heads; dq of the same
-    tile as queries, for each query head of the group. ``lse``, ``delta``: ``[Hq, T]`` float32
-    with head stride ``stride_lse_h``."""
+        HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, STEP: tl.constexpr,
+        BLOCK: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """dk, dv of one (key tile of ``BLOCK`` tokens, KV head), summed over the group's query
+    heads in registers, over query blocks of ``STEP`` rows. With ``ATOMIC_DQ`` each block pair
+    also adds ``ds^T k`` to the float32 ``DQ`` (unscaled): FlashAttention-2's 5 products;
+    without, ``varlen_attention_backward_dq_kernel`` computes dq."""
     pid = tl.program_id(0)
     sequence, block, start, length = _tile(CU, TILE_SEQUENCE, TILE_BLOCK, pid // num_heads_k)
     if sequence < 0:
         return
     kv_head = pid % num_heads_k
     qk_scale = softmax_scale * LOG2E
-    offs_t = block * BLOCK + tl.arange(0, BLOCK)
-    offs_step = tl.arange(0, STEP)
+    offs_n = block * BLOCK + tl.arange(0, BLOCK)
+    offs_m = tl.arange(0, STEP)
     offs_d = tl.arange(0, HEAD_DIM)
-    t_valid = offs_t < length
-    k_base = K + start * stride_kt + kv_head * stride_kh
-    v_base = V + start * stride_vt + kv_head * stride_vh
-    full_rows = (length // STEP) * STEP
-
-    # Phase 1: the tile as keys. Query steps [lo, mid) cross the diagonal (masked), [mid,
-    # full_rows) are whole and below it (no mask), the rest is the partial last step (masked).
-    k = _load_rows(k_base, offs_t, stride_kt, offs_d, head_dim, t_valid, EVEN_D, False)
-    v = _load_rows(v_base, offs_t, stride_vt, offs_d, head_dim, t_valid, EVEN_D, False)
+    n_valid = offs_n < length
+    k = _load_rows(K + start * stride_kt + kv_head * stride_kh, offs_n, stride_kt, offs_d,
+                   head_dim, n_valid, EVEN_D, False)
+    v = _load_rows(V + start * stride_vt + kv_head * stride_vh, offs_n, stride_vt, offs_d,
+                   head_dim, n_valid, EVEN_D, False)
     dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    is_causal = causal != 0
-    lo = tl.where(is_causal, block * BLOCK, 0)
-    mid = tl.where(is_causal, tl.minimum(block * BLOCK + BLOCK, length), 0)
-    tail = tl.maximum(mid, full_rows)
+    # One loop over the query blocks that see the tile (from its diagonal on, under a causal
+    # mask), every block masked: three loops (diagonal / interior / tail, as the forward) cost
+    # 60-250 bytes of spills under triton 3.6 (their hoisted invariants stay live). Padding key
+    # rows are zeros: their dk/dv are not stored and their share of dq (ds^T k) is 0.
+    lo = tl.where(causal != 0, block * BLOCK, 0)
     for g in range(0, groups):
         head = kv_head * groups + g
         q_base = Q + start * stride_qt + head * stride_qh
         do_base = DO + start * stride_dot + head * stride_doh
+        dq_base = DQ + start * stride_dqt + head * stride_dqh
         lse_base = LSE + head * stride_lse_h + start
         delta_base = DELTA + head * stride_lse_h + start
-        for m0 in range(lo, mid, STEP):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_step,
-                                offs_t, offs_d, stride_qt, stride_dot, head_dim, length, qk_scale,
-                                causal, EVEN_D, True, IEEE)
-        for m0 in range(mid, full_rows, STEP):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_step,
-                                offs_t, offs_d, stride_qt, stride_dot, head_dim, length, qk_scale,
-                                causal, EVEN_D, False, IEEE)
-        for m0 in range(tail, length, STEP):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_step,
-                                offs_t, offs_d, stride_qt, stride_dot, head_dim, length, qk_scale,
-                                causal, EVEN_D, True, IEEE)
-    _store_rows(DK + start * stride_dkt + kv_head * stride_dkh, offs_t, stride_dkt, offs_d,
-                head_dim, t_valid, dk * softmax_scale, EVEN_D)
-    _store_rows(DV + start * stride_dvt + kv_head * stride_dvh, offs_t, stride_dvt, offs_d,
-                head_dim, t_valid, dv, EVEN_D)
+        for m0 in range(lo, length, STEP):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_m,
+                                offs_n, offs_d, stride_qt, stride_dot, head_dim, length, qk_scale,
+                                causal, dq_base, stride_dqt, EVEN_D, IEEE, ATOMIC_DQ)
+    _store_rows(DK + start * stride_dkt + kv_head * stride_dkh, offs_n, stride_dkt, offs_d,
+                head_dim, n_valid, dk * softmax_scale, EVEN_D)
+    _store_rows(DV + start * stride_dvt + kv_head * stride_dvh, offs_n, stride_dvt, offs_d,
+                head_dim, n_valid, dv, EVEN_D)
 
-    # Phase 2: the tile as queries. Key steps [0, full_end) need no mask, [full_end, end) do.
-    full_end = tl.where(is_causal, block * BLOCK, full_rows)
-    end = tl.where(is_causal, tl.minimum(length, (block + 1) * BLOCK), length)
-    for g in range(0, groups):
-        head = kv_head * groups + g
-        q = _load_rows(Q + start * stride_qt + head * stride_qh, offs_t, stride_qt, offs_d,
-                       head_dim, t_valid, EVEN_D, False)
-        do = _load_rows(DO + start * stride_dot + head * stride_doh, offs_t, stride_dot, offs_d,
-                        head_dim, t_valid, EVEN_D, False)
-        lse2 = tl.load(LSE + head * stride_lse_h + start + offs_t, mask=t_valid, other=0.0) * LOG2E
-        delta = tl.load(DELTA + head * stride_lse_h + start + offs_t, mask=t_valid, other=0.0)
-        dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-        for n0 in range(0, full_end, STEP):
-            dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, n0, offs_t, offs_step, offs_d,
-                          stride_kt, stride_vt, head_dim, length, qk_scale, causal, EVEN_D, False,
-                          IEEE)
-        for n0 in range(full_end, end, STEP):
-            dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, n0, offs_t, offs_step, offs_d,
-                          stride_kt, stride_vt, head_dim, length, qk_scale, causal, EVEN_D, True,
-                          IEEE)
-        _store_rows(DQ + start * stride_dqt + head * stride_dqh, offs_t, stride_dqt, offs_d,
-                    head_dim, t_valid, dq * softmax_scale, EVEN_D)
+
+@triton.jit
+def varlen_attention_backward_dq_kernel(
+        Q, K, V, DO, LSE, DELTA, DQ, CU, TILE_SEQUENCE, TILE_BLOCK,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+        stride_dqt, stride_dqh, stride_lse_h, num_heads_q, groups, head_dim, softmax_scale,
+        causal, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """dq of one (query tile of ``BLOCK_M``, query head) over key blocks of ``BLOCK_N``
+    (``BLOCK_M % BLOCK_N == 0``): the deterministic second pass (3 products per block pair)."""
+    pid = tl.program_id(0)
+    sequence, block, start, length = _tile(CU, TILE_SEQUENCE, TILE_BLOCK, pid // num_heads_q)
+    if sequence < 0:
+        return
+    head = pid % num_heads_q
+    kv_head = head // groups
+    qk_scale = softmax_scale * LOG2E
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_valid = offs_m < length
+    q = _load_rows(Q + start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, head_dim,
+                   m_valid, EVEN_D, False)
+    do = _load_rows(DO + start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_d,
+                    head_dim, m_valid, EVEN_D, False)
+    lse2 = tl.load(LSE + head * stride_lse_h + start + offs_m, mask=m_valid, other=0.0) * LOG2E
+    delta = tl.load(DELTA + head * stride_lse_h + start + offs_m, mask=m_valid, other=0.0)
+    k_base = K + start * stride_kt + kv_head * stride_kh
+    v_base = V + start * stride_vt + kv_head * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Key blocks [0, full_end) need no mask, [full_end, end) do (the diagonal, the partial tail).
+    is_causal = causal != 0
+    full_end = tl.where(is_causal, block * BLOCK_M, (length // BLOCK_N) * BLOCK_N)
+    end = tl.where(is_causal, tl.minimum(length, (block + 1) * BLOCK_M), length)
+    for n0 in range(0, full_end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_n, offs_d,
+                      stride_kt, stride_vt, head_dim, length, qk_scale, causal, EVEN_D, False, IEEE)
+    for n0 in range(full_end, end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_n, offs_d,
+                      stride_kt, stride_vt, head_dim, length, qk_scale, causal, EVEN_D, True, IEEE)
+    _store_rows(DQ + start * stride_dqt + head * stride_dqh, offs_m, stride_dqt, offs_d, head_dim,
+                m_valid, dq * softmax_scale, EVEN_D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,11 +446,11 @@ def _forward_signature(dtype: str) -> dict:
     return signature
 
 
-def _backward_signature(dtype: str) -> dict:
+def _backward_dkdv_signature(dtype: str) -> dict:
     pointer = f"*{dtype}"
     signature = {"Q": pointer, "K": pointer, "V": pointer, "DO": pointer, "LSE": "*fp32",
-                 "DELTA": "*fp32", "DQ": pointer, "DK": pointer, "DV": pointer, "CU": "*i32",
-                 "TILE_SEQUENCE": "*i32", "TILE_BLOCK": "*i32"}
+                 "DELTA": "*fp32", "DQ": "*fp32", "DK": pointer, "DV": pointer, "CU": "*i32",
+                 "TILE_SEQUENCE": "*i32", "TILE_BLOCK": "*i32"}  # DQ: the atomic accumulator
     for name in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
                  "stride_dot", "stride_doh", "stride_dqt", "stride_dqh", "stride_dkt",
                  "stride_dkh", "stride_dvt", "stride_dvh", "stride_lse_h", "num_heads_k",
@@ -413,7 +458,23 @@ def _backward_signature(dtype: str) -> dict:
         signature[name] = "i32"
     signature["softmax_scale"] = "fp32"
     signature["causal"] = "i32"
-    for name in ("HEAD_DIM", "EVEN_D", "BLOCK", "STEP", "IEEE"):
+    for name in ("HEAD_DIM", "EVEN_D", "BLOCK", "STEP", "IEEE", "ATOMIC_DQ"):
+        signature[name] = "constexpr"
+    return signature
+
+
+def _backward_dq_signature(dtype: str) -> dict:
+    pointer = f"*{dtype}"
+    signature = {"Q": pointer, "K": pointer, "V": pointer, "DO": pointer, "LSE": "*fp32",
+                 "DELTA": "*fp32", "DQ": pointer, "CU": "*i32", "TILE_SEQUENCE": "*i32",
+                 "TILE_BLOCK": "*i32"}
+    for name in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+                 "stride_dot", "stride_doh", "stride_dqt", "stride_dqh", "stride_lse_h",
+                 "num_heads_q", "groups", "head_dim"):
+        signature[name] = "i32"
+    signature["softmax_scale"] = "fp32"
+    signature["causal"] = "i32"
+    for name in ("HEAD_DIM", "EVEN_D", "BLOCK_M", "BLOCK_N", "IEEE"):
         signature[name] = "constexpr"
     return signature
 
@@ -428,6 +489,34 @@ def _launch_hints(signature: dict) -> dict:
     divisible = [name for name in signature
                  if name.startswith("stride_") and name != "stride_lse_h"] + ["head_dim"]
     return {"divisible_by_16": divisible, "equal_to_1": ["causal"]}
+
+
+def _backward_specs(dtype: str, padded: int, even: bool, tag: str):
+    """The dk/dv kernel with the atomic dq (the default) and without (deterministic), and the
+    deterministic backward's dq kernel."""
+    hot = dtype != "fp32" and padded in (64, 128) and even  # must not spill (the issue)
+    config = backward_config(dtype, padded)
+    for atomic in (True, False):
+        yield {"name": f"varlen_attention_backward{'' if atomic else '_dkdv'}_{tag}",
+               "fn": varlen_attention_backward_dkdv_kernel,
+               "signature": _backward_dkdv_signature(dtype),
+               "constexprs": {"HEAD_DIM": padded, "EVEN_D": even, "BLOCK": config["BLOCK"],
+                              "STEP": config["STEP"], "IEEE": dtype == "fp32",
+                              "ATOMIC_DQ": atomic},
+               "num_warps": config["num_warps"], "num_stages": config["num_stages"],
+               "hints": _launch_hints(_backward_dkdv_signature(dtype)),
+               "tuning": ("varlen_attention_backward", f"{dtype}_d{padded}"),
+               "allow_spills": not hot}
+    config = backward_dq_config(dtype, padded)
+    yield {"name": f"varlen_attention_backward_dq_{tag}",
+           "fn": varlen_attention_backward_dq_kernel,
+           "signature": _backward_dq_signature(dtype),
+           "constexprs": {"HEAD_DIM": padded, "EVEN_D": even, "BLOCK_M": config["BLOCK_M"],
+                          "BLOCK_N": config["BLOCK_N"], "IEEE": dtype == "fp32"},
+           "num_warps": config["num_warps"], "num_stages": config["num_stages"],
+           "hints": _launch_hints(_backward_dq_signature(dtype)),
+           "tuning": ("varlen_attention_backward_dq", f"{dtype}_d{padded}"),
+           "allow_spills": not hot}
 
 
 def aot_specs():
@@ -449,16 +538,7 @@ def aot_specs():
                        "tuning": ("varlen_attention_forward", f"{dtype}_d{padded}"),
                        # only the bf16/fp16 forward at D 64/128 must not spill (the issue)
                        "allow_spills": not (dtype != "fp32" and padded in (64, 128) and even)}
-                config = backward_config(dtype, padded)
-                yield {"name": f"varlen_attention_backward_{tag}",
-                       "fn": varlen_attention_backward_kernel,
-                       "signature": _backward_signature(dtype),
-                       "constexprs": {"HEAD_DIM": padded, "EVEN_D": even, "BLOCK": config["BLOCK"],
-                                      "STEP": config["STEP"], "IEEE": dtype == "fp32"},
-                       "num_warps": config["num_warps"], "num_stages": config["num_stages"],
-                       "hints": _launch_hints(_backward_signature(dtype)),
-                       "tuning": ("varlen_attention_backward", f"{dtype}_d{padded}"),
-                       "allow_spills": True}  # spills are recorded in bench/results/
+                yield from _backward_specs(dtype, padded, even, tag)
         pointer = f"*{dtype}"
         yield {"name": f"varlen_attention_backward_preprocess_{dtype}",
                "fn": varlen_attention_backward_preprocess_kernel,

@@ -74,7 +74,9 @@ def test_aot_compiles_every_tuned_configuration(kernels, monkeypatch):
             "num_warps"] == 8
     # the stale entry (a parameter the kernel lacks) adds nothing
     assert "varlen_attention_forward_bf16_d128_tuned0" not in by_name
-    assert len(by_name) == len(specs) + 2 + 2 + 12  # (even, odd) x 2; 3 dtypes x fwd/bwd x entropy
+    # forward (even, odd); backward (even, odd) x (atomic dq, deterministic) dk/dv kernels;
+    # token_logprobs 3 dtypes x fwd/bwd x entropy
+    assert len(by_name) == len(specs) + 2 + 4 + 12
 
 
 def test_tuned_write_merges(tmp_path):

@@ -191,7 +191,10 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic, out,
 
 def _backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, deterministic,
               dq, dk, dv):
-    """Fill ``dq``, ``dk``, ``dv`` (deterministic in every mode: no atomics)."""
+    """Fill ``dq``, ``dk``, ``dv``. One program per (key tile, KV head) sums dk/dv over the
+    group's query heads in registers; dq is added by float32 atomics from those programs
+    (FlashAttention-2's 5 products per block pair), or, ``deterministic``, computed by a second
+    kernel per (query tile, query head) (3 more products, bitwise reproducible)."""
     num_tokens, num_heads_q, head_dim = q.shape
     num_heads_k = k.shape[1]
     if num_tokens == 0:
@@ -203,12 +206,20 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, de
                for g in (dq, dk, dv)]
     dtype = _DTYPE_NAMES[q.dtype]
     padded = kernels.padded_head_dim(head_dim)
+    groups = num_heads_q // num_heads_k
     config = kernels.backward_config(dtype, head_dim)
     delta = torch.empty(num_heads_q, num_tokens, dtype=torch.float32, device=q.device)
     if lse.stride(0) != delta.stride(0):
         lse = lse.contiguous()
+    dq_t, dk_t, dv_t = targets
+    # The atomic dq accumulates in float32 (zeros first; every token is then written by the
+    # conversion, padding and gaps included).
+    dq_acc = (None if deterministic else
+              torch.zeros(num_tokens, num_heads_q, head_dim, dtype=torch.float32, device=q.device))
+    dq_arg = dq_t if dq_acc is None else dq_acc  # unused by the kernel when deterministic
     bounds, tile_sequence, tile_block, slots = cached_tile_table(
         cu_seqlens, num_tokens, config["BLOCK"], causal, by_length=True)
+    common = dict(HEAD_DIM=padded, EVEN_D=padded == head_dim, IEEE=dtype == "fp32")
     with _device_guard(q):
         block_t = kernels.PREPROCESS_BLOCK_T
         preprocess_grid = (triton.cdiv(num_tokens, block_t), num_heads_q)
@@ -216,16 +227,27 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, de
             out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
             delta.stride(0), num_tokens, head_dim, BLOCK_T=block_t,
             BLOCK_D=kernels.PREPROCESS_BLOCK_D, num_warps=4, num_stages=1)
-        dq_t, dk_t, dv_t = targets
-        kernels.varlen_attention_backward_kernel[(slots * num_heads_k,)](
-            q, k, v, dout, lse, delta, dq_t, dk_t, dv_t, bounds, tile_sequence, tile_block,
+        kernels.varlen_attention_backward_dkdv_kernel[(slots * num_heads_k,)](
+            q, k, v, dout, lse, delta, dq_arg, dk_t, dv_t, bounds, tile_sequence, tile_block,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            dout.stride(0), dout.stride(1), dq_t.stride(0), dq_t.stride(1), dk_t.stride(0),
+            dout.stride(0), dout.stride(1), dq_arg.stride(0), dq_arg.stride(1), dk_t.stride(0),
             dk_t.stride(1), dv_t.stride(0), dv_t.stride(1), delta.stride(0),
-            num_heads_k, num_heads_q // num_heads_k, head_dim, float(scale), int(bool(causal)),
-            HEAD_DIM=padded, EVEN_D=padded == head_dim, BLOCK=config["BLOCK"],
-            STEP=config["STEP"], IEEE=dtype == "fp32",
-            num_warps=config["num_warps"], num_stages=config["num_stages"])
+            num_heads_k, groups, head_dim, float(scale), int(bool(causal)),
+            BLOCK=config["BLOCK"], STEP=config["STEP"], ATOMIC_DQ=dq_acc is not None,
+            num_warps=config["num_warps"], num_stages=config["num_stages"], **common)
+        if dq_acc is not None:
+            dq_t.copy_(dq_acc.mul_(scale))
+        else:
+            dq_config = kernels.backward_dq_config(dtype, head_dim)
+            bounds, tile_sequence, tile_block, slots = cached_tile_table(
+                cu_seqlens, num_tokens, dq_config["BLOCK_M"], causal)
+            kernels.varlen_attention_backward_dq_kernel[(slots * num_heads_q,)](
+                q, k, v, dout, lse, delta, dq_t, bounds, tile_sequence, tile_block,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                dout.stride(0), dout.stride(1), dq_t.stride(0), dq_t.stride(1), delta.stride(0),
+                num_heads_q, groups, head_dim, float(scale), int(bool(causal)),
+                BLOCK_M=dq_config["BLOCK_M"], BLOCK_N=dq_config["BLOCK_N"],
+                num_warps=dq_config["num_warps"], num_stages=dq_config["num_stages"], **common)
     for target, grad in zip(targets, (dq, dk, dv)):
         if target is not grad:
             grad.copy_(target)

@@ -1,8 +1,9 @@
 """The Triton backend of ``varlen_attention`` under the interpreter (TRITON_INTERPRET=1): its
-kernels write every element of poisoned (NaN) outputs, the backward is bitwise deterministic,
-the tile table covers exactly the real tiles longest first, "auto" picks it, garbage
-unvalidated ``cu_seqlens`` never crash it, and the usual layout edge cases. The accuracy grid
-is in ``test_varlen_attention_triton_grid*.py``."""
+kernels write every element of poisoned (NaN) outputs, the deterministic backward is bitwise
+reproducible, the tile table covers exactly the real tiles longest first, "auto" picks it,
+garbage unvalidated ``cu_seqlens`` never crash it, and the usual layout edge cases. The
+accuracy grid is in ``test_varlen_attention_triton_grid*.py``; the deterministic backward's in
+``test_varlen_attention_triton_deterministic.py``."""
 
 
 import pytest
@@ -33,9 +34,11 @@ def test_kernels_overwrite_poisoned_outputs(dtype, causal):
     check_kernels_overwrite_poisoned_outputs("triton", dtype, causal)
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_backward_is_bitwise_deterministic(deterministic):
-    """Two runs give the same bits (GQA 4:1: dk, dv summed over 4 query heads)."""
+def test_deterministic_backward_is_bitwise_reproducible():
+    """With ``deterministic=True`` two runs give the same bits (GQA 4:1: dk, dv summed over 4
+    query heads; dq by its own kernel). The default backward adds dq by float32 atomics, whose
+    order varies on a GPU (the interpreter runs programs in order, so it is not tested here)."""
+    deterministic = True
     q, k, v, cu, max_seqlen = make_inputs([3, 0, 70, 1, 20], 4, 1, 64, torch.bfloat16, seed=30)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(31)).to(torch.bfloat16)
 
