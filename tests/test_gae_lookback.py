@@ -50,11 +50,13 @@ def test_emulated_look_back_matches_the_cpu_kernel(packed_batch, assert_gae_clos
         assert advantages.dtype == returns.dtype == dtype
         chain = math.ceil(batch.max_seqlen / tile_size) + 2
         assert_gae_close(advantages, returns, reference, rounded, chain_steps=chain)
-        multi_lane, windows, lanes, waits = stats.tolist()
+        multi_lane, windows, lanes, _ = stats.tolist()
         if mix == "one-long":
-            # The look-back did real work: windows of several tiles, more than one window, and
-            # polls of tiles that had not published yet.
-            assert multi_lane > 0 and lanes > 1 and windows > 1 and waits > 0, stats
+            # The look-back did real work: windows of several tiles and more than one window
+            # (tiles finished in random order, each thread's held ones right of it still only
+            # aggregates). Polls of tiles not yet published depend on timing; the deadline test
+            # below exercises them.
+            assert multi_lane > 0 and lanes > 1 and windows > 1, stats
 
 
 def test_a_tile_that_never_publishes_ends_in_a_deadline_error(packed_batch):

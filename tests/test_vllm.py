@@ -188,7 +188,12 @@ def test_a_stalled_server_fails_only_its_episodes(served, server):
                    for t in trajectories)
         assert all(t.done and t.metrics["truncated_generation_error"] == 1 for t in trajectories)
         assert generator.stats["retries"] >= len(trajectories)
-        time.sleep(0.5)
+        # Resumed, the server first drains what it was sent while stopped; on a loaded machine
+        # that takes longer than the 1 s timeout above, which was for the stall.
+        deadline = time.monotonic() + 60
+        while not server.healthy(timeout=5) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        generator.timeout = 30.0
         again = engine.run(tasks, seed=0)
         assert all(t.error is None for t in again)
 
