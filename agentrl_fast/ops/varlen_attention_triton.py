@@ -4,14 +4,17 @@
 ``BACKEND`` is ``Backend("triton", "op", ...)``, which ``varlen_attention`` registers. Its
 ``forward`` and ``backward`` write into the preallocated outputs they are given (``out[T, Hq, D]``,
 ``lse[Hq, T]`` float32; ``dq``, ``dk``, ``dv``) and allocate only scratch: the tile table and,
-in the backward, ``delta[Hq, T]`` float32.
+in the backward, ``delta[Hq, T]`` float32 and (not ``deterministic``) the float32 ``dq``
+accumulator ``[T, Hq, D]``.
 
 Scheduling (no host sync): ``tile_table`` turns ``cu_seqlens`` into the list of real
 (sequence, block) tiles on the device, sorted so the longest work comes first: under a causal
 mask a forward tile's work is the number of keys it visits, ``min((block + 1) * BLOCK_M, L)``
-(the last blocks of the longest sequences first), without one it is ``L``; a backward tile
-costs ``~L`` either way (see the kernels' docstring). The tables are built once per
-``cu_seqlens`` tensor (``cached_tile_table``): the layers of one forward share them. The grid needs a size known on the host
+(the last blocks of the longest sequences first), without one it is ``L``; the backward's
+dk/dv tiles are ordered by ``L`` (a key tile's work, ``L - block * BLOCK`` under a causal mask,
+is not in the table), its dq tiles (deterministic mode) as the forward's. The tables are built
+once per ``cu_seqlens`` tensor (``cached_tile_table``): the layers of one forward share them.
+The grid needs a size known on the host
 without reading ``cu_seqlens``: ``sum_b ceil(L_b / BLOCK) <= T // BLOCK + B`` (each sequence
 wastes less than one block), and at most ``T`` (each tile holds a token). The slots past the
 real count (at most ``B``) are marked ``-1`` and their programs exit at once: a tail of cheap
@@ -21,9 +24,11 @@ Heads: the grid is 1-D, ``slots * heads`` programs, head fastest (program ``p``:
 ``p // heads``, head ``p % heads``). Putting heads inside the flat index rather than on a second
 grid axis keeps the longest-first order across heads (the GPU starts programs in index order),
 puts the query heads of one KV head side by side (their K/V stay in L2) and avoids the 65535
-limit of the second axis. The backward runs one program per (tile, KV head) and loops over the
-group's query heads inside it, so ``dk``/``dv`` are summed in registers (no atomics): the
-backward is deterministic whatever ``deterministic`` says.
+limit of the second axis. The backward's dk/dv kernel runs one program per (key tile, KV
+head) and loops over the group's query heads inside it, so ``dk``/``dv`` are summed in
+registers; ``dq`` is added by float32 atomics into a zeroed buffer (then scaled and cast into
+``dq``), whose summation order varies run to run, unless ``deterministic``: then a second kernel
+per (query tile, query head) computes it, and the backward is bitwise reproducible.
 
 ``cu_seqlens`` is sanitized on the device (clamped to ``[0, T]``, made non-decreasing) and
 framed by the gaps before its first and after its last entry, treated as sequences of their
@@ -216,7 +221,10 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, de
     # conversion, padding and gaps included).
     dq_acc = (None if deterministic else
               torch.zeros(num_tokens, num_heads_q, head_dim, dtype=torch.float32, device=q.device))
-    dq_arg = dq_t if dq_acc is None else dq_acc  # unused by the kernel when deterministic
+    # Deterministic: the dk/dv kernel never touches DQ; a float32 stand-in with zero strides
+    # keeps the launch's specialisation that of the compiles in tests/triton_aot.py.
+    dq_arg, dq_strides = ((delta, (0, 0)) if dq_acc is None
+                          else (dq_acc, (dq_acc.stride(0), dq_acc.stride(1))))
     bounds, tile_sequence, tile_block, slots = cached_tile_table(
         cu_seqlens, num_tokens, config["BLOCK"], causal, by_length=True)
     common = dict(HEAD_DIM=padded, EVEN_D=padded == head_dim, IEEE=dtype == "fp32")
@@ -230,7 +238,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, de
         kernels.varlen_attention_backward_dkdv_kernel[(slots * num_heads_k,)](
             q, k, v, dout, lse, delta, dq_arg, dk_t, dv_t, bounds, tile_sequence, tile_block,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            dout.stride(0), dout.stride(1), dq_arg.stride(0), dq_arg.stride(1), dk_t.stride(0),
+            dout.stride(0), dout.stride(1), *dq_strides, dk_t.stride(0),
             dk_t.stride(1), dv_t.stride(0), dv_t.stride(1), delta.stride(0),
             num_heads_k, groups, head_dim, float(scale), int(bool(causal)),
             BLOCK=config["BLOCK"], STEP=config["STEP"], ATOMIC_DQ=dq_acc is not None,
