@@ -93,29 +93,38 @@ class _Switching:
         self.inner.update_weights(model)
 
 
-def test_a_rollout_across_a_weight_update_keeps_both_versions_and_log_probs(chat):
+def switched_group(chat, partial_rollouts: bool):
+    """``(kept group, trainer, policy, moved)``: the first group of a producer whose generator
+    publishes new weights (``moved``, version 1) at its second call, in the middle of every
+    episode of that group."""
+    from agentrl_fast.harness import RolloutEngine
+    from agentrl_fast.train.producer import RolloutProducer
     policy = policy_for(chat)
     moved = copy.deepcopy(policy)
     with torch.no_grad():
         for parameter in moved.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.1)
-    trainer = Trainer(policy, chat, VaultEnvironment(), config(max_staleness=2, steps=1))
-    producer = trainer.producer
-    producer.close()  # restart it on a generator that switches weights mid-episode
+    trainer = Trainer(policy, chat, VaultEnvironment(),
+                      config(max_staleness=2, steps=1, partial_rollouts=partial_rollouts))
+    trainer.producer.close()  # restart it on a generator that switches weights mid-episode
     model = copy.deepcopy(policy).eval()
     generator = _Switching(TorchGenerator(model, pad_id=chat.tokenizer.pad_token_id or 0),
                            trainer, moved)
-    from agentrl_fast.harness import RolloutEngine
-    from agentrl_fast.train.producer import RolloutProducer
     engine = RolloutEngine(generator, chat, trainer.environment, trainer.config.rollout,
                            memory=trainer.memory)
     trainer.producer = RolloutProducer(engine, model, trainer.tasks, seed=0, start=0,
-                                       version=0, capacity=1)
+                                       version=0, capacity=1, partial_rollouts=partial_rollouts)
     try:
         kept, _, _ = trainer.producer.take(1, max_lag=2, learner_version=1)
+        restarted = trainer.producer.restarted_groups
     finally:
         trainer.close()
-    both = [s for t in kept[0].trajectories for s in t.sub_traces
+    return kept[0], restarted, policy, moved
+
+
+def test_a_rollout_across_a_weight_update_keeps_both_versions_and_log_probs(chat):
+    group, _, policy, moved = switched_group(chat, partial_rollouts=True)
+    both = [s for t in group.trajectories for s in t.sub_traces
             if set(s.action_versions()) == {0, 1}]
     assert both, "no sub-trace spans the weight update"
     packed = {0: use_packed_attention(copy.deepcopy(policy)),
@@ -136,29 +145,9 @@ def test_abort_and_restart_trains_every_rollout_on_one_version(chat):
     """partial_rollouts=False: a group whose weights change mid-episode starts again from its
     first turn, so every kept rollout was sampled by one version (the new one), and the restart
     is counted."""
-    policy = policy_for(chat)
-    moved = copy.deepcopy(policy)
-    with torch.no_grad():
-        for parameter in moved.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.1)
-    trainer = Trainer(policy, chat, VaultEnvironment(),
-                      config(max_staleness=2, steps=1, partial_rollouts=False))
-    trainer.producer.close()  # restart it on a generator that switches weights mid-episode
-    model = copy.deepcopy(policy).eval()
-    generator = _Switching(TorchGenerator(model, pad_id=chat.tokenizer.pad_token_id or 0),
-                           trainer, moved)
-    from agentrl_fast.harness import RolloutEngine
-    from agentrl_fast.train.producer import RolloutProducer
-    engine = RolloutEngine(generator, chat, trainer.environment, trainer.config.rollout,
-                           memory=trainer.memory)
-    trainer.producer = RolloutProducer(engine, model, trainer.tasks, seed=0, start=0,
-                                       version=0, capacity=1, partial_rollouts=False)
-    try:
-        kept, _, _ = trainer.producer.take(1, max_lag=2, learner_version=1)
-        assert trainer.producer.restarted_groups >= 1
-    finally:
-        trainer.close()
-    for t in kept[0].trajectories:
+    group, restarted, _, _ = switched_group(chat, partial_rollouts=False)
+    assert restarted >= 1
+    for t in group.trajectories:
         assert {v for s in t.sub_traces for v in s.action_versions()} == {1}, t.rollout_id
         assert t.rollout_id.endswith("/restart1")
     with pytest.raises(ValueError, match="partial_rollouts=False"):
