@@ -118,8 +118,7 @@ def default_backward_config(dtype: str, padded: int) -> dict:
 
 def backward_dq_config(dtype: str, head_dim: int) -> dict:
     """Launch configuration of the deterministic backward's dq kernel: query tiles of
-    ``BLOCK_M``, key blocks of ``BLOCK_N`` (``BLOCK_M % BLOCK_N == 0``: the causal diagonal
-    starts on a key block)."""
+    ``BLOCK_M``, key blocks of ``BLOCK_N``."""
     padded = padded_head_dim(head_dim)
     return tuned("varlen_attention_backward_dq", f"{dtype}_d{padded}",
                  default_backward_dq_config(dtype, padded))
@@ -242,12 +241,15 @@ def varlen_attention_forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Causal: keys below the tile's first row need no mask (they precede every row and are inside
-    # the sequence); non-causal: every whole block inside the sequence. The rest (the diagonal,
-    # the partial last block) is masked; each masked block visited holds, for every row (padding
-    # rows included), at least one visible key, so the running max stays finite.
+    # Causal: whole key blocks below the tile's first row need no mask (they precede every row
+    # and are inside the sequence); non-causal: every whole block inside the sequence. The rest
+    # (the diagonal, the partial last block) is masked. The first block visited holds a visible
+    # key for every row (padding rows included), so the running max is finite from then on and
+    # a later block masked out for a row adds exp2(-inf) = 0. Key blocks start on multiples of
+    # BLOCK_N whatever BLOCK_M is, so any tuned pair of block sizes computes the same function.
     is_causal = causal != 0
-    full_end = tl.where(is_causal, block * BLOCK_M, (length // BLOCK_N) * BLOCK_N)
+    full_end = tl.where(is_causal, (block * BLOCK_M // BLOCK_N) * BLOCK_N,
+                        (length // BLOCK_N) * BLOCK_N)
     end = tl.where(is_causal, tl.minimum(length, (block + 1) * BLOCK_M), length)
     for n0 in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _forward_block(acc, l_i, m_i, q, k_base, v_base, n0, offs_m, offs_n,
@@ -395,8 +397,8 @@ def varlen_attention_backward_dq_kernel(
         stride_dqt, stride_dqh, stride_lse_h, num_heads_q, groups, head_dim, softmax_scale,
         causal, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """dq of one (query tile of ``BLOCK_M``, query head) over key blocks of ``BLOCK_N``
-    (``BLOCK_M % BLOCK_N == 0``): the deterministic second pass (3 products per block pair)."""
+    """dq of one (query tile of ``BLOCK_M``, query head) over key blocks of ``BLOCK_N``: the
+    deterministic second pass (3 products per block pair)."""
     pid = tl.program_id(0)
     sequence, block, start, length = _tile(CU, TILE_SEQUENCE, TILE_BLOCK, pid // num_heads_q)
     if sequence < 0:
@@ -419,7 +421,8 @@ def varlen_attention_backward_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # Key blocks [0, full_end) need no mask, [full_end, end) do (the diagonal, the partial tail).
     is_causal = causal != 0
-    full_end = tl.where(is_causal, block * BLOCK_M, (length // BLOCK_N) * BLOCK_N)
+    full_end = tl.where(is_causal, (block * BLOCK_M // BLOCK_N) * BLOCK_N,
+                        (length // BLOCK_N) * BLOCK_N)
     end = tl.where(is_causal, tl.minimum(length, (block + 1) * BLOCK_M), length)
     for n0 in range(0, full_end, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, n0, offs_m, offs_n, offs_d,

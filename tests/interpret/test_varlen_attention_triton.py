@@ -152,3 +152,22 @@ def test_softmax_scale(softmax_scale):
     q, k, v, cu, max_seqlen = make_inputs([9, 0, 30], 4, 2, 16, torch.float32, seed=6)
     run_and_compare(q, k, v, cu, max_seqlen, causal=True, backend="triton",
                     softmax_scale=softmax_scale)
+
+
+@pytest.mark.parametrize("op, config", [
+    ("varlen_attention_forward", dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)),
+    ("varlen_attention_forward", dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=1)),
+    ("varlen_attention_backward", dict(BLOCK=16, STEP=64, num_warps=4, num_stages=1)),
+    ("varlen_attention_backward_dq", dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1))])
+def test_any_block_shape_computes_the_same_function(op, config):
+    """A tuned configuration (kernels/tuned.py) may pair any block sizes: query tiles smaller
+    or larger than key blocks give the float64 reference's results, in both backwards."""
+    from agentrl_fast.kernels import tuned
+
+    for deterministic in (False, True):
+        q, k, v, cu, max_seqlen = make_inputs([0, 1, 7, 45, 0, 70], 4, 2, 32, torch.float32,
+                                              seed=50 + deterministic)
+        with tuned.forced(op, "fp32_d32", config):
+            run_and_compare(q, k, v, cu, max_seqlen, causal=True, backend="triton",
+                            deterministic=deterministic)
+
