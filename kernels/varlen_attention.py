@@ -25,7 +25,7 @@ Kernels:
   tile of ``BLOCK`` tokens, KV head): ``dk``, ``dv`` summed in registers over the query heads of
   the group and over query blocks of ``STEP`` rows (from the diagonal on under a causal mask);
   per block pair ``S^T = K Q^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q`` and, with
-  ``ATOMIC_DQ`` (the default), ``dQ += dS K`` added to a float32 buffer by atomics (relaxed
+  ``ATOMIC_DQ`` (the default), ``dQ^T += K^T dS^T`` added to a float32 buffer by atomics (relaxed
   reductions): 5 matrix products. The order of those float32 additions varies run to run.
 - ``varlen_attention_backward_dq_kernel``: the deterministic backward's second pass (the dk/dv
   kernel then runs without ``ATOMIC_DQ``): one program per (query tile of ``BLOCK_M``, query
@@ -311,12 +311,14 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_ste
     ds_t = p_t * (dp_t - delta[None, :])
     dk += _dot(ds_t.to(q.dtype), q, IEEE)
     if ATOMIC_DQ:  # relaxed: a reduction needs no ordering (RED, no fences)
-        dq = _dot(tl.trans(ds_t.to(k.dtype)), k, IEEE)                          # [STEP, HEAD_DIM]
-        ptrs = dq_base + rows_m[:, None].to(tl.int64) * stride_dqt + offs_d[None, :]
+        # dq^T = k^T ds^T: M = HEAD_DIM, so the product stays on wgmma when STEP < 64 (dS K with
+        # M = STEP = 32 took mma.sync at D 128); the atomics are still 4-wide along D.
+        dq_t = _dot(tl.trans(k), ds_t.to(k.dtype), IEEE)                        # [HEAD_DIM, STEP]
+        ptrs = dq_base + rows_m[None, :].to(tl.int64) * stride_dqt + offs_d[:, None]
         if EVEN_D:
-            tl.atomic_add(ptrs, dq, mask=m_valid[:, None], sem="relaxed")
+            tl.atomic_add(ptrs, dq_t, mask=m_valid[None, :], sem="relaxed")
         else:
-            tl.atomic_add(ptrs, dq, mask=m_valid[:, None] & (offs_d < head_dim)[None, :],
+            tl.atomic_add(ptrs, dq_t, mask=m_valid[None, :] & (offs_d < head_dim)[:, None],
                           sem="relaxed")
     return dk, dv
 
