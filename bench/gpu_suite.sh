@@ -213,7 +213,8 @@ sanitize() {
 warm_triton_cache() {
   # Triton JIT-compiles each kernel configuration at its first launch; compiling the benchmarks'
   # and the GPU tests' configurations in parallel processes now takes that off the stages.
-  timeout --kill-after=10 150 nice -n 10 "$PYTHON" bench/warm_triton_cache.py --device "$DEVICE" \
+  timeout --kill-after=10 $(( 150 * CAP_SCALE )) nice -n 10 "$PYTHON" bench/warm_triton_cache.py \
+    --device "$DEVICE" \
     >> "$OUT/warm.log" 2>&1
   echo "warm_triton_cache: exit $?" >> "$OUT/warm.log"
 }
