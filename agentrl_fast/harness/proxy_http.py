@@ -47,6 +47,17 @@ async def _read_json(request: Request, limit: int, *, optional: bool = False) ->
     return body
 
 
+def _fields(body: Any, allowed: tuple[str, ...], shape: str) -> dict:
+    """``body`` when it is a JSON object holding only ``allowed`` fields, else a 400."""
+    if not isinstance(body, dict):
+        raise ProxyError(400, f"the body must be a JSON object {shape}")
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise ProxyError(400, f"unknown field {unknown[0]!r}; the fields are "
+                         + ", ".join(allowed), unknown[0])
+    return body
+
+
 def _message(reply: Reply) -> dict:
     message = {"role": "assistant", "content": reply.content}
     if reply.tool_calls:
@@ -131,13 +142,8 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
     @app.post("/sessions")
     async def new_session(request: Request):
         async def work():
-            body = await _read_json(request, max_body_bytes, optional=True)
-            if not isinstance(body, dict):
-                raise ProxyError(400, "the body must be a JSON object (or empty)")
-            unknown = set(body) - {"task_id", "sample_index", "session_id"}
-            if unknown:
-                raise ProxyError(400, f"unknown field {sorted(unknown)[0]!r}; the fields are "
-                                 "task_id, sample_index, session_id", sorted(unknown)[0])
+            body = _fields(await _read_json(request, max_body_bytes, optional=True),
+                           ("task_id", "sample_index", "session_id"), "(or empty)")
             session_id = proxy.create_session(body.get("task_id"), body.get("sample_index", 0),
                                               body.get("session_id"))
             return JSONResponse({"id": session_id, "base_path": f"/s/{session_id}/v1"})
@@ -146,13 +152,8 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
     @app.post("/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
         async def work():
-            body = await _read_json(request, max_body_bytes, optional=True)
-            if not isinstance(body, dict):
-                raise ProxyError(400, "the body must be a JSON object {\"reward\": r}")
-            unknown = set(body) - {"reward", "turn_rewards", "truncated"}
-            if unknown:
-                raise ProxyError(400, f"unknown field {sorted(unknown)[0]!r}; the fields are "
-                                 "reward, turn_rewards, truncated", sorted(unknown)[0])
+            body = _fields(await _read_json(request, max_body_bytes, optional=True),
+                           ("reward", "turn_rewards", "truncated"), '{"reward": r}')
             truncated = body.get("truncated", False)
             if not isinstance(truncated, bool):
                 raise ProxyError(400, "truncated must be a boolean", "truncated")
