@@ -56,6 +56,16 @@ def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
     assert "resumed from" in again.stdout and "warm-start: " not in again.stdout.split("eval success")[0]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    # A new run from the saved warm-start: no demonstrations, no supervised steps, the same
+    # policy (the same warm-start evaluation).
+    from agentrl_fast.cli import main
+    assert main(["train", "--steps", "1", "--run-dir", str(tmp_path / "loaded"), "--no-progress",
+                 *TINY, "--set", f"warmstart.load={run_dir / 'warmstart.pt'}"]) == 0
+    assert (json.loads((tmp_path / "loaded" / "warmstart.json").read_text())
+            == json.loads((run_dir / "warmstart.json").read_text()))
+    rows = [json.loads(line)
+            for line in (tmp_path / "loaded" / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r["kind"] == "warmstart"]
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -80,6 +90,11 @@ def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
     (["--set", "warmstart.fine_check_every=0"], "warmstart.fine_check_every must be >= 1, got 0"),
     (["--set", "warmstart.fine_check_from=1.5"],
      "warmstart.fine_check_from must be in [0, 1], got 1.5"),
+    (["--set", "warmstart.max_fine_steps=0"],
+     "warmstart.max_fine_steps must be >= 1 (or null), got 0"),
+    (["--set", "warmstart.load=nowhere.pt"], "warmstart.load: no such file 'nowhere.pt'"),
+    (["--set", f"warmstart.load={ROOT / 'README.md'}"],
+     "warmstart.load: '" + str(ROOT / "README.md") + "' is not a state dict of this run's model"),
     (["--set", "warmstart.check_tasks=60"],
      "eval.tasks (200) + warmstart.check_tasks (60) exceed env.eval_size (250)"),
 ])
@@ -114,6 +129,21 @@ def test_checks_come_finer_once_the_supervised_transition_begins(successes, inte
     from agentrl_fast.train.run import check_interval
     warmstart = WarmStartConfig(check_every=25, fine_check_every=5, fine_check_from=0.1)
     assert check_interval(successes, warmstart) == interval
+
+
+@pytest.mark.parametrize("successes, cap, stops", [
+    ([0.0, 0.1], 50, False),  # no check reached fine_check_from (0.2)
+    ([0.0, 0.2, 0.3], 50, False),  # steps 50, 55, 60: 10 steps past the first fine check
+    ([0.0] + [0.2] * 11, 50, True),  # the check at 105 is 50 steps past 55
+    ([0.0, 0.3] + [0.1] * 10, 50, True),  # a drop below fine_check_from does not restart it
+    ([0.0] + [0.2] * 11, None, False),
+])
+def test_warm_start_ends_max_fine_steps_after_the_first_fine_check(successes, cap, stops):
+    from agentrl_fast.config import WarmStartConfig
+    from agentrl_fast.train.run import fine_steps_spent
+    warmstart = WarmStartConfig(fine_check_from=0.2, max_fine_steps=cap)
+    checks = [{"sft_step": 50 + 5 * i, "check_success": s} for i, s in enumerate(successes)]
+    assert fine_steps_spent(checks, warmstart) is stops
 
 
 def test_warm_start_runs_its_checks_on_the_schedule():

@@ -63,10 +63,14 @@ class WarmStartConfig:
     steps at ``lr``, ``batch_sequences`` sub-traces a step. With ``target_success`` set, the
     policy runs greedily on ``check_tasks`` validation tasks every ``check_every`` steps (every
     ``fine_check_every`` once a check reaches ``fine_check_from``), and the warm-start ends when
-    ``confirm_checks`` checks in a row reach ``target_success``. The validation tasks are the
-    last held-out tasks, never among the ``eval.tasks`` of the final evaluation. Why a target and
-    not a step count, two checks and a finer cadence: the supervised transition comes at a
-    seed-dependent step and can be short (docs/experiments.md, warm-start stopping rule).
+    ``confirm_checks`` checks in a row reach ``target_success``, or at the first check
+    ``max_fine_steps`` steps or more after the first fine check (None: no such cap). The
+    validation tasks are the last held-out tasks, never among the ``eval.tasks`` of the final
+    evaluation. Why a target and not a step count, two checks, a finer cadence and a cap: the
+    supervised transition comes at a seed-dependent step, can be short, and can stall on a
+    plateau where more steps over-train the policy (docs/experiments.md, warm-start stopping
+    rule). ``load``: a saved warm-start (a run folder's ``warmstart.pt``) to start RL from
+    instead (no demonstrations, no supervised steps).
     ``expert_save_probability`` / ``expert_read_probability`` / ``expert_retry_probability``
     below 1 make the expert careless (``expert_action``: it skips saving or reading back some
     codes, or gives up some jammed vaults)."""
@@ -74,6 +78,7 @@ class WarmStartConfig:
     demos: int = 2000
     steps: int = 800
     lr: float = 3e-3
+    weight_decay: float = 0.0
     batch_sequences: int = 32
     target_success: float | None = 0.4
     check_every: int = 25
@@ -81,6 +86,8 @@ class WarmStartConfig:
     confirm_checks: int = 2
     fine_check_every: int = 5
     fine_check_from: float = 0.2
+    max_fine_steps: int | None = None
+    load: str | None = None
     expert_save_probability: float = 1.0
     expert_read_probability: float = 1.0
     expert_retry_probability: float = 1.0
@@ -276,6 +283,9 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"eval.temperature must be >= 0, got {config.eval.temperature}")
     if config.warmstart.demos < 0 or config.warmstart.steps < 0:
         raise ConfigError("warmstart.demos and warmstart.steps must be >= 0")
+    if config.warmstart.weight_decay < 0:
+        raise ConfigError(f"warmstart.weight_decay must be >= 0, "
+                          f"got {config.warmstart.weight_decay}")
     for name in ("expert_save_probability", "expert_read_probability",
                  "expert_retry_probability"):
         if not 0.0 <= getattr(config.warmstart, name) <= 1.0:
@@ -296,6 +306,9 @@ def validate(config: RunConfig) -> None:
         if not 0.0 <= w.fine_check_from <= 1.0:
             raise ConfigError(f"warmstart.fine_check_from must be in [0, 1], "
                               f"got {w.fine_check_from}")
+        if w.max_fine_steps is not None and w.max_fine_steps < 1:
+            raise ConfigError(f"warmstart.max_fine_steps must be >= 1 (or null), "
+                              f"got {w.max_fine_steps}")
         if config.eval.tasks + w.check_tasks > config.env.eval_size:
             raise ConfigError(f"eval.tasks ({config.eval.tasks}) + warmstart.check_tasks "
                               f"({w.check_tasks}) exceed env.eval_size "
@@ -303,6 +316,9 @@ def validate(config: RunConfig) -> None:
                               "are held-out tasks the final evaluation does not use")
     if config.warmstart.steps and not config.warmstart.demos:
         raise ConfigError("warmstart.steps > 0 needs warmstart.demos > 0")
+    if w.load is not None and not Path(w.load).is_file():
+        raise ConfigError(f"warmstart.load: no such file {w.load!r} (a run folder's "
+                          "warmstart.pt)")
     if config.model.num_heads % config.model.num_kv_heads:
         raise ConfigError(f"model.num_kv_heads: num_heads ({config.model.num_heads}) must be a "
                           f"multiple of num_kv_heads ({config.model.num_kv_heads})")

@@ -4,6 +4,7 @@ on the held-out split, and leave a run folder behind:
 
 ``config.yaml``, ``metrics.jsonl`` (one JSON line per step, plus warm-start and eval lines),
 TensorBoard events (``tb/``), ``curves.png`` (reward and success), ``summary.txt``,
+``warmstart.pt`` (the policy RL starts from),
 ``checkpoints/`` (resumable), ``export/`` (``save_pretrained`` of the final models).
 
 Under ``torchrun`` every rank runs this: the warm-start on each (the same demonstrations and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import pickle
 import time
 from pathlib import Path
 from typing import Callable
@@ -132,6 +134,18 @@ def check_interval(successes: list[float], warmstart) -> int:
     return warmstart.fine_check_every if started else warmstart.check_every
 
 
+def fine_steps_spent(checks: list[dict], warmstart) -> bool:
+    """Whether the last validation check (``checks``: ``{"sft_step", "check_success"}``, oldest
+    first) comes ``warmstart.max_fine_steps`` or more steps after the first check that reached
+    ``warmstart.fine_check_from``: on a long plateau past the transition's start more supervised
+    steps over-train the policy (docs/experiments.md)."""
+    if warmstart.max_fine_steps is None:
+        return False
+    first = next((c["sft_step"] for c in checks
+                  if c["check_success"] >= warmstart.fine_check_from), None)
+    return first is not None and checks[-1]["sft_step"] - first >= warmstart.max_fine_steps
+
+
 def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: list, *,
                log: Callable[[dict], None] | None = None,
                generator: Generator | None = None) -> tuple[list[float], list[dict]]:
@@ -142,7 +156,8 @@ def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: 
     checks in a row whose greedy success on the last ``warmstart.check_tasks`` held-out tasks
     (never among the final evaluation's first ``eval.tasks``:
     :func:`~agentrl_fast.config.validate`) reaches ``warmstart.target_success``
-    (:func:`target_confirmed`); the checks come as :func:`check_interval` says, on
+    (:func:`target_confirmed`), or at the check that spends ``warmstart.max_fine_steps``
+    (:func:`fine_steps_spent`); the checks come as :func:`check_interval` says, on
     ``generator`` (:func:`evaluate`)."""
     w = config.warmstart
     checks: list[dict] = []
@@ -158,15 +173,28 @@ def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: 
         result = evaluate(policy, chat, environment, config, seed=config.seed, tasks=validation,
                           generator=generator)
         checks.append({"sft_step": step, "check_success": result["success"],
-                       "check_reward": result["reward"]})
+                       "check_reward": result["reward"],
+                       "check_tool_error_rate": result["tool_error_rate"]})
         if log is not None:
             log(checks[-1])
-        return target_confirmed(successes + [result["success"]], w.target_success,
-                                w.confirm_checks)
+        return (target_confirmed(successes + [result["success"]], w.target_success,
+                                 w.confirm_checks) or fine_steps_spent(checks, w))
 
     losses = sft(policy, [s for d in demos for s in d.sub_traces], steps=w.steps, lr=w.lr,
-                 batch_sequences=w.batch_sequences, seed=config.seed, stop=reached, log=log)
+                 weight_decay=w.weight_decay, batch_sequences=w.batch_sequences,
+                 seed=config.seed, stop=reached, log=log)
     return losses, checks
+
+
+def load_warm_start(policy, path: str) -> None:
+    """``policy``'s weights from a saved warm-start (a run folder's ``warmstart.pt``); a
+    :class:`ConfigError` naming ``warmstart.load`` when the file is not one of this model's."""
+    try:
+        policy.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except (RuntimeError, OSError, EOFError, ValueError, TypeError,
+            pickle.UnpicklingError) as error:
+        raise ConfigError(f"warmstart.load: {path!r} is not a state dict of this run's model "
+                          f"({str(error).splitlines()[0]})") from None
 
 
 class _Outputs:
@@ -265,7 +293,9 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
     run_dir = Path(config.run_dir)
     resuming = any((run_dir / "checkpoints").glob("step-*"))
     demos = []
-    if not resuming and config.warmstart.steps:
+    if not resuming and config.warmstart.load is not None:  # before the run folder is written
+        load_warm_start(policy, config.warmstart.load)
+    elif not resuming and config.warmstart.steps:
         demos = expert_demonstrations(config, chat, environment)
     if world is not None:  # every rank must be at this point before rank 0 writes the folder
         world.barrier()
@@ -289,6 +319,10 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
                        "check" if checks else "")
             print_fn(f"warm-start: {len(demos)} expert rollouts, {len(losses)} steps, "
                      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{reached}")
+        if config.warmstart.load is not None:
+            print_fn(f"warm-start: loaded {config.warmstart.load}")
+        if main:  # RL can start again from here (warmstart.load)
+            torch.save(policy.state_dict(), run_dir / "warmstart.pt")
         if world is not None:
             world.broadcast_parameters(policy)
         before = evaluate(policy, chat, environment, config, seed=config.seed, world=world,
