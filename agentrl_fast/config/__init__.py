@@ -80,13 +80,13 @@ class WarmStartConfig:
     lr: float = 3e-3
     weight_decay: float = 0.0
     batch_sequences: int = 128
-    target_success: float | None = 0.4
+    target_success: float | None = 0.6
     check_every: int = 10
     check_tasks: int = 50
     confirm_checks: int = 2
-    fine_check_every: int = 2
+    fine_check_every: int = 4
     fine_check_from: float = 0.2
-    max_fine_steps: int | None = 100
+    max_fine_steps: int | None = 200
     load: str | None = None
     expert_save_probability: float = 1.0
     expert_read_probability: float = 1.0
@@ -112,7 +112,7 @@ def _main_job_env() -> EnvConfig:
 def _main_job_train() -> TrainConfig:
     """The main job's trainer (the library's TrainConfig() keeps a library user's defaults)."""
     return TrainConfig(
-        algo="ppo", steps=80, tasks_per_step=8, micro_batch_tokens=16384,
+        algo="ppo", steps=100, tasks_per_step=8, micro_batch_tokens=16384,
         # One pass over each batch in four mini-batches of whole rollouts (verl's default
         # ppo_epochs=1), the old log-probs taken from the rollout: half the learning cost of two
         # epochs, learning as fast per step (docs/experiments.md).
