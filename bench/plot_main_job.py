@@ -152,10 +152,12 @@ def plot(runs: dict[str, dict[int, dict]], out: Path, smooth: int = 10) -> None:
                                     f"on training tasks (sampled{average})"))
 
     # Warm-starts: one per seed (every algorithm of a seed starts from the same policy).
+    # A run started from another's saved warm-start (warmstart.load) logs no SFT steps.
     starts: dict[int, tuple[float, int]] = {}
     for seeds in runs.values():
         for seed, run in seeds.items():
-            starts.setdefault(seed, (run["eval"][0][1], run["sft_steps"]))
+            success, sft_steps = starts.get(seed, (run["eval"][0][1], 0))
+            starts[seed] = (success, max(sft_steps, run["sft_steps"]))
     warm = dict(marker="D", markersize=9, markerfacecolor="white", markeredgecolor="black",
                 markeredgewidth=1.6, linestyle="none")
     for seed, (success, _) in starts.items():
