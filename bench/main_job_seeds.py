@@ -28,19 +28,17 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import common  # noqa: E402  (bench/ is a namespace package)
 
 
-def matmul_gflops(size: int = 1024, repeats: int = 50) -> float:
-    """float32 ``size``² matmul rate on this process's threads (the best of three timings)."""
+def matmul_gflops(size: int = 1024) -> float:
+    """float32 ``size``² matmul rate on this process's threads (median of 50 timings)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 * repeats / best / 1e9
+    ms = common.benchmark(lambda: a @ b, torch.device("cpu"), warmup=3, repeats=50)
+    return 2 * size ** 3 / (ms * 1e-3) / 1e9
 
 
 def summary(run_dir: Path) -> dict:
@@ -81,14 +79,12 @@ def run_one(seed: int, algo: str, runs: Path, results: Path, overrides: list[str
     after = matmul_gflops()
     s = summary(run_dir)
     shutil.copy(run_dir / "metrics.jsonl", results / f"{algo}-seed{seed}.jsonl")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
     row = {"seed": seed, "algo": algo, "sft_steps": sft_steps(run_dir / "metrics.jsonl"),
            "warmstart_success": s["warmstart_success"], "final_success": s["final_success"],
            "final_reward": s["final_reward"], "wall_seconds": round(wall, 1),
            "run_seconds": round(s["seconds"], 1), "matmul_gflops_before": round(before, 1),
            "matmul_gflops_after": round(after, 1), "threads": torch.get_num_threads(),
-           "commit": commit, "command": " ".join(command)}
+           "commit": common.git_commit(), "command": " ".join(command)}
     with open(results / "runs.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row), flush=True)

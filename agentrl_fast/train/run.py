@@ -295,6 +295,7 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
     demos = []
     if not resuming and config.warmstart.load is not None:  # before the run folder is written
         load_warm_start(policy, config.warmstart.load)
+        print_fn(f"warm-start: loaded {config.warmstart.load}")
     elif not resuming and config.warmstart.steps:
         demos = expert_demonstrations(config, chat, environment)
     if world is not None:  # every rank must be at this point before rank 0 writes the folder
@@ -319,8 +320,6 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
                        "check" if checks else "")
             print_fn(f"warm-start: {len(demos)} expert rollouts, {len(losses)} steps, "
                      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{reached}")
-        if config.warmstart.load is not None:
-            print_fn(f"warm-start: loaded {config.warmstart.load}")
         if main:  # RL can start again from here (warmstart.load)
             torch.save(policy.state_dict(), run_dir / "warmstart.pt")
         if world is not None:
