@@ -194,38 +194,73 @@ def exported(run_dir):
     return load_file(str(run_dir / "export" / "policy" / "model.safetensors"))
 
 
-@pytest.mark.slow
-def test_two_rank_checkpoint_resumes_on_one_and_two_ranks_identically(tmp_path):
-    import shutil
-    straight = tmp_path / "straight"
-    result = torchrun(2, *cli_args(straight, 3))
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """``(run_dir, exported policy)``: 3 steps on 2 ranks, a checkpoint after each."""
+    run_dir = tmp_path_factory.mktemp("two-rank") / "straight"
+    result = torchrun(2, *cli_args(run_dir, 3))
     assert result.returncode == 0, result.stderr[-3000:]
-    step2 = straight / "checkpoints" / "step-000000002"
-    manifest = json.loads((step2 / "manifest.json").read_text())
+    return run_dir, exported(run_dir)
+
+
+def resumable_copy(straight_dir: Path, to: Path) -> Path:
+    """A copy of the straight run stopped after step 2 (no step 3, no export)."""
+    import shutil
+    shutil.copytree(straight_dir, to, ignore=shutil.ignore_patterns("step-000000003", "export"))
+    return to
+
+
+def assert_same_policy(run_dir: Path, expected: dict) -> None:
+    got = exported(run_dir)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=2e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_a_two_rank_checkpoint_is_sharded_and_evaluates(straight):
+    run_dir, _ = straight
+    manifest = json.loads((run_dir / "checkpoints" / "step-000000002" / "manifest.json")
+                          .read_text())
     assert manifest["entries"]["dcp"]["kind"] == "dcp" and manifest["entries"]["dcp"]["files"]
-    expected = exported(straight)
     evaluated = subprocess.run([sys.executable, "-m", "agentrl_fast.cli", "eval", "--run-dir",
-                                str(straight), "--tasks", "2"], cwd=ROOT, env=ENV,
+                                str(run_dir), "--tasks", "2"], cwd=ROOT, env=ENV,
                                capture_output=True, text=True, timeout=120)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "| step-000000003 | 2 |" in evaluated.stdout
-    for ranks in (2, 1):
-        resumed = tmp_path / f"on-{ranks}"
-        shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step-000000003",
-                                                                         "export"))
-        result = torchrun(ranks, *cli_args(resumed, 3, "--resume"))
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert f"resumed from {resumed / 'checkpoints' / 'step-000000002'}" in result.stdout
-        got = exported(resumed)
-        for key, value in expected.items():
-            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=2e-6, msg=key)
-        rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]  # none redone
-    # Every file of the dcp/ folder is verified at load: a damaged or an unlisted one makes
-    # that checkpoint skipped, with the file named.
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_a_two_rank_checkpoint_resumes_on_one_and_two_ranks_identically(straight, tmp_path,
+                                                                         ranks):
+    run_dir, expected = straight
+    resumed = resumable_copy(run_dir, tmp_path / f"on-{ranks}")
+    result = torchrun(ranks, *cli_args(resumed, 3, "--resume"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {resumed / 'checkpoints' / 'step-000000002'}" in result.stdout
+    assert_same_policy(resumed, expected)
+    rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]  # none redone
+
+
+@pytest.mark.slow
+def test_a_two_rank_checkpoint_resumes_in_one_process_without_torchrun(straight, tmp_path):
+    run_dir, expected = straight
+    single = resumable_copy(run_dir, tmp_path / "single")
+    result = subprocess.run([sys.executable, *cli_args(single, 3, "--resume")], cwd=ROOT,
+                            env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_policy(single, expected)
+
+
+@pytest.mark.slow
+def test_a_damaged_or_unlisted_checkpoint_file_skips_that_checkpoint(straight, tmp_path):
+    """Every file of the dcp/ folder is verified at load: a damaged or an unlisted one makes
+    that checkpoint skipped, with the file named."""
+    import shutil
     from agentrl_fast.train.checkpoint import latest_checkpoint
     damaged = tmp_path / "damaged"
-    shutil.copytree(straight / "checkpoints", damaged)
+    shutil.copytree(straight[0] / "checkpoints", damaged)
     shard = sorted((damaged / "step-000000003" / "dcp").glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -236,14 +271,6 @@ def test_two_rank_checkpoint_resumes_on_one_and_two_ranks_identically(tmp_path):
     assert step == 1 and path.name == "step-000000001"
     assert f"dcp/{shard.name}: checksum mismatch" in messages[0]
     assert "dcp/stray.distcp: not listed in manifest.json" in messages[1]
-    # One process (no torchrun) resumes it too.
-    single = tmp_path / "single"
-    shutil.copytree(straight, single, ignore=shutil.ignore_patterns("step-000000003", "export"))
-    result = subprocess.run([sys.executable, *cli_args(single, 3, "--resume")], cwd=ROOT,
-                            env=ENV, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    for key, value in expected.items():
-        torch.testing.assert_close(exported(single)[key], value, rtol=1e-4, atol=2e-6, msg=key)
 
 
 def _rank_pid(parent: int, rank: int) -> int | None:
