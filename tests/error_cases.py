@@ -92,3 +92,24 @@ def bad_input_tests(prelude: str, cases: dict, names=None):
         assert_outcome(name, cases, outcomes)
 
     return outcomes, test
+
+
+def no_error_tests(prelude: str, cases: dict):
+    """``(test_call_returns, test_unvalidated_child)`` for a case table whose ``"NoError"``
+    cases include ``unvalidated_*`` garbage: each such case returns (read from the module's
+    ``outcomes`` fixture), and all the ``unvalidated_*`` ones in one child exit with status 0.
+    Bind both at module level: ``test_call_returns, test_unvalidated_garbage_child_exits_cleanly
+    = no_error_tests(PRELUDE, CASES)``."""
+
+    @pytest.mark.parametrize("name", [n for n, c in cases.items() if c[0] == "NoError"])
+    def test_call_returns(name, outcomes):
+        """The baseline call succeeds; validate=False with garbage does not crash the process."""
+        outcome = outcomes[name]
+        assert outcome["type"] == "NoError", f"{name}: {outcome['type']}: {outcome['message']}"
+
+    def test_unvalidated_child(run_in_subprocess):
+        """All the validate=False garbage cases in one child, which must exit with status 0."""
+        assert_clean_exit(run_in_subprocess, prelude, cases,
+                          [n for n in cases if n.startswith("unvalidated_")])
+
+    return test_call_returns, test_unvalidated_child

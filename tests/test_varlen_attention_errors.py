@@ -10,7 +10,7 @@ outputs may be anything there.
 import textwrap
 
 import pytest
-from error_cases import assert_clean_exit, bad_input_tests
+from error_cases import bad_input_tests, no_error_tests
 
 PRELUDE = textwrap.dedent("""
     import json, math, sys
@@ -192,17 +192,8 @@ outcomes, test_bad_input_raises = bad_input_tests(
     PRELUDE, CASES, [n for n, c in CASES.items() if c[0] != "NoError"])
 
 
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[0] == "NoError"])
-def test_call_returns(name, outcomes):
-    """The baseline calls succeed; validate=False with garbage does not crash the process."""
-    outcome = outcomes[name]
-    assert outcome["type"] == "NoError", f"{name}: {outcome['type']}: {outcome['message']}"
-
-
-def test_unvalidated_garbage_child_exits_cleanly(run_in_subprocess):
-    """All the validate=False garbage cases in one child, which must exit with status 0."""
-    assert_clean_exit(run_in_subprocess, PRELUDE, CASES,
-                      [n for n in CASES if n.startswith("unvalidated_")])
+test_call_returns, test_unvalidated_garbage_child_exits_cleanly = no_error_tests(PRELUDE,
+                                                                                 CASES)
 
 
 @pytest.mark.gpu
