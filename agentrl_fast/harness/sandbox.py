@@ -35,7 +35,11 @@ What the child gets in both:
   tokens) reaches it;
 - bounded output: stdout and stderr are read concurrently and at most ``max_output_bytes`` of
   each is kept; the rest is read and discarded, so a program printing forever neither blocks nor
-  grows the trainer's memory.
+  grows the trainer's memory;
+- a seccomp system-call filter (``syscall_filter=True``, :mod:`.syscall_filter`, loaded through
+  libseccomp by the launcher just before the ``exec``): ``EPERM`` for ``ptrace``, namespaces
+  (``unshare``, ``setns``, ``clone`` with a namespace flag), mounts, ``bpf``, ``io_uring``,
+  ``keyctl``, ``perf_event_open`` and other calls no program here needs.
 
 The threat model (what this protects, what it does not, what production should add):
 docs/security.md.
@@ -55,6 +59,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from agentrl_fast.harness import syscall_filter as _syscall_filter
 from agentrl_fast.harness.bwrap import (INNER_UID, base_python, bwrap_command, bwrap_path,
                                         sandbox_uid)
 from agentrl_fast.harness.tools import Tool, tool
@@ -72,18 +77,19 @@ only: without isolation it would count all of the user's processes, and root ign
 
 _KILL_GRACE_S = 2.0  # waiting for a killed group to be reaped and its pipes to close
 
-# Run as ``python -I -S -c LAUNCHER STATUS_FD AS_BYTES CPU_S FSIZE_BYTES NPROC UID INNER_UID --
-# PROGRAM ARGS...``. It writes "+" to STATUS_FD (so a sandbox that never started is told apart
-# from a program that failed), sets RLIMIT_NPROC (NPROC >= 0), drops to UID (>= 0, root's
-# sandboxes: the uid must change before the kernel counts processes) and enters a new user
+# Run as ``python -I -S -c LAUNCHER STATUS_FD AS_BYTES CPU_S FSIZE_BYTES NPROC UID INNER_UID
+# LIBSECCOMP -- PROGRAM ARGS...``. It writes "+" to STATUS_FD (so a sandbox that never started is
+# told apart from a program that failed), sets RLIMIT_NPROC (NPROC >= 0), drops to UID (>= 0,
+# root's sandboxes: the uid must change before the kernel counts processes) and enters a new user
 # namespace showing it as INNER_UID, sets the other limits (never raising a hard limit that is
-# already lower) and execs the program. If that fails it writes the error to STATUS_FD (closed by
-# a successful exec) and exits 127.
-LAUNCHER = """\
-import os, resource, sys
+# already lower), loads the system-call filter through LIBSECCOMP (unless it is empty) and execs
+# the program. If that fails it writes the error to STATUS_FD (closed by a successful exec) and
+# exits 127.
+LAUNCHER = "import os, resource, sys\n" + _syscall_filter.LAUNCHER_CODE + """\
 args = sys.argv[1:]
 split = args.index("--")
-fd, memory, cpu, fsize, nproc, uid, inner = map(int, args[:split])
+fd, memory, cpu, fsize, nproc, uid, inner = map(int, args[:split - 1])
+library = args[split - 1]
 argv = args[split + 1:]
 try:
     os.write(fd, b"+")
@@ -112,6 +118,8 @@ try:
             soft = min(soft, hard)
         resource.setrlimit(which, (soft, hard))
     os.set_inheritable(fd, False)
+    if library:
+        load_syscall_filter(library)  # last: the launcher's own unshare must come before it
     os.execvp(argv[0], argv)
 except BaseException as error:
     number = getattr(error, "errno", None) or 0
@@ -136,7 +144,8 @@ class SandboxResult:
     memory-error message such as ``MemoryError`` on stderr, or died of ``SIGSEGV``/``SIGBUS``/
     ``SIGABRT``, what an allocation failure in C code under ``RLIMIT_AS`` usually becomes; a
     genuine crash is labelled the same), or ``None``. ``isolation``: what the program ran
-    under, ``"bwrap"`` or ``"none"`` (resource limits only).
+    under, ``"bwrap"`` or ``"none"`` (resource limits only); ``syscall_filter``: whether the
+    seccomp filter (:mod:`.syscall_filter`) was on.
     """
 
     exit_code: int | None
@@ -147,6 +156,7 @@ class SandboxResult:
     truncated: bool = False
     killed_reason: str | None = None
     isolation: str = "none"
+    syscall_filter: bool = False
 
     @property
     def ok(self) -> bool:
@@ -187,7 +197,7 @@ def _check_number(name: str, value, *, minimum: float, integer: bool = False,
 
 
 def _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env,
-              isolation="none", max_processes=1, read_only_paths=()):
+              isolation="none", max_processes=1, read_only_paths=(), syscall_filter=False):
     if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence):
         raise TypeError(f"run_sandboxed: argv must be a sequence of str such as "
                         f"['python', '-c', 'print(1)'], got {type(argv).__name__}")
@@ -227,6 +237,9 @@ def _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cw
     if isinstance(read_only_paths, (str, bytes, os.PathLike)) or not all(
             isinstance(path, (str, os.PathLike)) for path in read_only_paths):
         raise TypeError("run_sandboxed: read_only_paths must be a sequence of paths")
+    if not isinstance(syscall_filter, bool):
+        raise TypeError(f"run_sandboxed: syscall_filter must be a bool (True: the seccomp "
+                        f"filter), got {type(syscall_filter).__name__}")
 
 
 def default_env() -> dict[str, str]:
@@ -240,11 +253,12 @@ def default_env() -> dict[str, str]:
 
 
 def _inner_command(status_fd: int, memory_mb: int, cpu: int, nproc: int, uid: int,
-                   argv: Sequence[str]) -> list[str]:
+                   syscall_filter: bool, argv: Sequence[str]) -> list[str]:
     """The launcher (run by the base interpreter, which is inside the sandbox too) and argv."""
     return [base_python(), "-I", "-S", "-c", LAUNCHER, str(status_fd),
             str(memory_mb * 1024 * 1024), str(cpu), str(FILE_SIZE_LIMIT_MB * 1024 * 1024),
-            str(nproc), str(uid), str(INNER_UID), "--", *argv]
+            str(nproc), str(uid), str(INNER_UID),
+            _syscall_filter.LIBSECCOMP if syscall_filter else "", "--", *argv]
 
 
 @functools.lru_cache(maxsize=None)
@@ -260,7 +274,7 @@ def bwrap_problem() -> str | None:
     status_read, status_write = os.pipe()
     try:
         uid = sandbox_uid()
-        inner = _inner_command(status_write, 256, 10, MAX_PROCESSES, uid,
+        inner = _inner_command(status_write, 256, 10, MAX_PROCESSES, uid, False,
                                [base_python(), "-I", "-S", "-c", "print('ok')"])
         result = subprocess.run(bwrap_command(bwrap, inner, uid=uid, cwd=None),
                                 pass_fds=(status_write,), capture_output=True, timeout=30,
@@ -364,11 +378,11 @@ def _launch_failure(status_fd: int, argv: Sequence[str], timed_out: bool,
 
 
 def _command(mode: str, status_fd: int, argv: Sequence[str], memory_mb: int, cpu: int,
-             max_processes: int, cwd, read_only_paths) -> list[str]:
+             max_processes: int, cwd, read_only_paths, syscall_filter: bool) -> list[str]:
     if mode == "none":
-        return _inner_command(status_fd, memory_mb, cpu, -1, -1, argv)
+        return _inner_command(status_fd, memory_mb, cpu, -1, -1, syscall_filter, argv)
     uid = sandbox_uid()
-    inner = _inner_command(status_fd, memory_mb, cpu, max_processes, uid, argv)
+    inner = _inner_command(status_fd, memory_mb, cpu, max_processes, uid, syscall_filter, argv)
     return bwrap_command(bwrap_path(), inner, uid=uid, cwd=None if cwd is None else os.fspath(cwd),
                          read_only_paths=[os.fspath(path) for path in read_only_paths])
 
@@ -388,7 +402,8 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
                         max_output_bytes: int = 16384, cwd: str | os.PathLike | None = None,
                         env: Mapping[str, str] | None = None, isolation: str = "auto",
                         max_processes: int = MAX_PROCESSES,
-                        read_only_paths: Sequence[str | os.PathLike] = ()) -> SandboxResult:
+                        read_only_paths: Sequence[str | os.PathLike] = (),
+                        syscall_filter: bool = True) -> SandboxResult:
     """Run ``argv`` in a child process under a timeout and resource limits, isolated with
     bubblewrap when ``isolation`` says so (see the module).
 
@@ -403,7 +418,9 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
     sandbox. ``cwd``: the working directory; under bubblewrap it is bound read-only (default: the
     sandbox's fresh ``/tmp``). ``read_only_paths``: more host paths bound read-only under
     bubblewrap (a program outside the system directories and the interpreter's prefix must be
-    in one to run).
+    in one to run). ``syscall_filter``: load the seccomp filter (:mod:`.syscall_filter`; needs
+    libseccomp, else the run fails to start with a ``RuntimeError`` saying so), in either
+    isolation.
 
     Everything the program does is reported in the :class:`SandboxResult`; this raises only for
     bad arguments (``TypeError``/``ValueError`` naming the argument) and when the program cannot
@@ -412,7 +429,7 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
     the run is killed before ``CancelledError`` propagates.
     """
     _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env,
-              isolation, max_processes, read_only_paths)
+              isolation, max_processes, read_only_paths, syscall_filter)
     mode = _isolation_for(isolation)
     data = stdin.encode("utf-8") if isinstance(stdin, str) else bytes(stdin)
     cpu = math.ceil(cpu_seconds if cpu_seconds is not None else timeout)
@@ -423,7 +440,7 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
     try:
         try:
             command = _command(mode, status_write, argv, memory_mb, cpu, max_processes, cwd,
-                               read_only_paths)
+                               read_only_paths, syscall_filter)
             transport, collector = await loop.subprocess_exec(
                 lambda: _Collector(max_output_bytes, loop), *command, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
@@ -462,7 +479,7 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
                          stderr=err.decode("utf-8", errors="replace"), timed_out=timed_out,
                          truncated=collector.truncated,
                          killed_reason=_killed_reason(timed_out, exit_code, signum, err),
-                         isolation=mode)
+                         isolation=mode, syscall_filter=syscall_filter)
 
 
 def run_sandboxed_sync(argv: Sequence[str], **kwargs) -> SandboxResult:
@@ -509,14 +526,15 @@ def format_result(result: SandboxResult, *, timeout: float, cpu_seconds: int,
 def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: int = 512,
                 cpu_seconds: float | None = None, max_output_bytes: int = 8192,
                 isolation: str = "auto", max_processes: int = MAX_PROCESSES,
-                site_packages: bool = False) -> Tool:
+                site_packages: bool = False, syscall_filter: bool = True) -> Tool:
     """A :class:`~.tools.Tool` (``code: str``) running the model's Python in :func:`run_sandboxed`.
 
     The code goes to the base interpreter's ``python -I -S -u -`` on stdin (``-u``: what was
     printed before a kill is kept; ``-I -S``: no environment variables, no site-packages, only
     the standard library). ``site_packages=True`` runs ``python -I -u -`` instead, the trainer's
     interpreter with its installed packages (its virtual environment, if any, bound read-only
-    under bubblewrap). ``isolation`` and ``max_processes``: as :func:`run_sandboxed`.
+    under bubblewrap). ``isolation``, ``max_processes`` and ``syscall_filter``: as
+    :func:`run_sandboxed`.
     The tool returns one text: the program's stdout, then its stderr (if any), then status lines
     as they apply: ``[exit code 1]``, ``[killed: timeout after 2 s]``,
     ``[killed: CPU time limit 2 s]``, ``[killed: memory limit 256 MB]`` (or
@@ -534,7 +552,7 @@ def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: i
     """
     # Check the limits and the isolation now, not at the model's first call.
     _validate([sys.executable], b"", timeout, memory_mb, cpu_seconds, max_output_bytes, None,
-              None, isolation, max_processes)
+              None, isolation, max_processes, (), syscall_filter)
     if not isinstance(site_packages, bool):
         raise TypeError(f"python_tool: site_packages must be a bool, got "
                         f"{type(site_packages).__name__}")
@@ -544,7 +562,7 @@ def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: i
             else [base_python(), "-I", "-S", "-u", "-"])
     options = {"timeout": timeout, "memory_mb": memory_mb, "cpu_seconds": cpu_seconds,
                "max_output_bytes": max_output_bytes, "isolation": isolation,
-               "max_processes": max_processes,
+               "max_processes": max_processes, "syscall_filter": syscall_filter,
                "read_only_paths": [sys.prefix] if site_packages else []}
 
     async def run_python(code: str) -> str:
