@@ -1,5 +1,7 @@
 """Benchmark: the cost per call of running model-written code under bubblewrap
-(``isolation="bwrap"``) against the plain child process (``isolation="none"``).
+(``isolation="bwrap"``) against the plain child process (``isolation="none"``), and of the
+seccomp system-call filter (``bwrap-no-filter``: bubblewrap with ``syscall_filter=False``; the
+other two run with the filter, the default).
 
 Each call is one ``run_sandboxed`` (``agentrl_fast/harness/sandbox.py``), awaited alone (no other
 call running), wall time from the call to its result. Programs:
@@ -9,13 +11,15 @@ call running), wall time from the call to its result. Programs:
 * ``/bin/true``: nothing but the sandbox (the launcher and, under bubblewrap, its namespaces and
   mounts).
 
-The two isolations alternate call by call (``--calls`` each, after ``--warmup``), so a change in
-the machine's load hits both alike. Printed: median, p95 and mean per call and the median
-overhead of bubblewrap; ``--markdown PATH`` also writes them as a table with the command; rows
-(``op="sandbox"``, ``time_ms`` the median, ``ratio`` bwrap / none) are appended to
-``bench/results/sandbox.jsonl`` unless ``--no-rows``.
+The configurations (``--configs``, default all) alternate call by call (``--calls`` each,
+after ``--warmup``), so a change in the machine's load hits all alike. Printed: median, p95 and
+mean per call, the median overhead over ``none`` and the filter's cost (``bwrap`` minus
+``bwrap-no-filter``); ``--markdown PATH`` also writes them as a table with the command; rows
+(``op="sandbox"``, ``provider`` the configuration, ``time_ms`` the median, ``ratio`` against
+``none`` when measured) are appended to ``bench/results/sandbox.jsonl`` unless ``--no-rows``.
 
     python bench/bench_sandbox.py --calls 200 --markdown bench/results/sandbox.md
+    python bench/bench_sandbox.py --calls 50 --programs python --configs bwrap bwrap-no-filter
 """
 
 import argparse
@@ -33,7 +37,8 @@ from pathlib import Path
 from agentrl_fast.harness.bwrap import base_python
 from agentrl_fast.harness.sandbox import bwrap_problem, run_sandboxed
 
-ISOLATIONS = ("none", "bwrap")
+CONFIGS = {"none": {"isolation": "none"}, "bwrap": {"isolation": "bwrap"},
+           "bwrap-no-filter": {"isolation": "bwrap", "syscall_filter": False}}
 
 
 def programs() -> dict[str, tuple[list[str], str]]:
@@ -41,23 +46,27 @@ def programs() -> dict[str, tuple[list[str], str]]:
             "/bin/true": (["/bin/true"], "")}
 
 
-async def one_call(argv: list[str], stdin: str, isolation: str) -> float:
+async def one_call(argv: list[str], stdin: str, config: str) -> float:
+    options = CONFIGS[config]
     start = time.perf_counter()
-    result = await run_sandboxed(argv, stdin=stdin, isolation=isolation, timeout=30)
+    result = await run_sandboxed(argv, stdin=stdin, timeout=30, **options)
     elapsed = time.perf_counter() - start
-    if not result.ok or result.isolation != isolation:
-        raise RuntimeError(f"bench_sandbox: a call failed under {isolation}: {result}")
+    if not result.ok or result.isolation != options["isolation"] or (
+            result.syscall_filter != options.get("syscall_filter", True)):
+        raise RuntimeError(f"bench_sandbox: a call failed under {config}: {result}")
     return elapsed * 1000
 
 
-async def measure(calls: int, warmup: int) -> dict[tuple[str, str], list[float]]:
-    times = {(name, iso): [] for name in programs() for iso in ISOLATIONS}
-    for name, (argv, stdin) in programs().items():
+async def measure(names: list[str], configs: list[str], calls: int,
+                  warmup: int) -> dict[tuple[str, str], list[float]]:
+    times = {(name, config): [] for name in names for config in configs}
+    for name in names:
+        argv, stdin = programs()[name]
         for i in range(warmup + calls):
-            for isolation in (ISOLATIONS if i % 2 == 0 else ISOLATIONS[::-1]):
-                ms = await one_call(argv, stdin, isolation)
+            for config in (configs if i % 2 == 0 else configs[::-1]):
+                ms = await one_call(argv, stdin, config)
                 if i >= warmup:
-                    times[name, isolation].append(ms)
+                    times[name, config].append(ms)
     return times
 
 
@@ -66,36 +75,42 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def _medians(times: dict[tuple[str, str], list[float]]) -> dict[tuple[str, str], float]:
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
 def table(times: dict[tuple[str, str], list[float]]) -> list[str]:
-    lines = ["| program | isolation | calls | median ms | p95 ms | mean ms | bwrap overhead "
-             "(median) |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name in programs():
-        plain = statistics.median(times[name, "none"])
-        for isolation in ISOLATIONS:
-            values = times[name, isolation]
-            median = statistics.median(values)
-            overhead = (f"+{median - plain:.1f} ms ({median / plain:.2f}x)"
-                        if isolation == "bwrap" else "-")
-            lines.append(f"| {name} | {isolation} | {len(values)} | {median:.1f} | "
-                         f"{percentile(values, 0.95):.1f} | {statistics.fmean(values):.1f} | "
-                         f"{overhead} |")
+    medians = _medians(times)
+    lines = ["| program | configuration | calls | median ms | p95 ms | mean ms | overhead over "
+             "none (median) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (name, config), values in times.items():
+        median, plain = medians[name, config], medians.get((name, "none"))
+        overhead = (f"+{median - plain:.1f} ms ({median / plain:.2f}x)"
+                    if plain is not None and config != "none" else "-")
+        lines.append(f"| {name} | {config} | {len(values)} | {median:.1f} | "
+                     f"{percentile(values, 0.95):.1f} | {statistics.fmean(values):.1f} | "
+                     f"{overhead} |")
+    for name in dict.fromkeys(name for name, _ in times):
+        if (name, "bwrap") in medians and (name, "bwrap-no-filter") in medians:
+            cost = medians[name, "bwrap"] - medians[name, "bwrap-no-filter"]
+            lines.append(f"\nThe seccomp filter under bubblewrap, {name}: {cost:+.1f} ms per call "
+                         f"(median bwrap minus median bwrap-no-filter).")
     return lines
 
 
 def write_rows(times: dict[tuple[str, str], list[float]]) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import Row, write_rows as append  # torch, only when rows are written
+    medians = _medians(times)
     rows = []
-    for name in programs():
-        plain = statistics.median(times[name, "none"])
-        for isolation in ISOLATIONS:
-            values = times[name, isolation]
-            rows.append(Row(op="sandbox", provider=isolation,
-                            shape=f"{name}, {len(values)} calls, "
-                                  f"p95 {percentile(values, 0.95):.1f} ms",
-                            dtype="-", device=f"cpu ({os.cpu_count()} cores)",
-                            time_ms=statistics.median(values),
-                            ratio=statistics.median(values) / plain))
+    for (name, config), values in times.items():
+        plain = medians.get((name, "none"))
+        rows.append(Row(op="sandbox", provider=config,
+                        shape=f"{name}, {len(values)} calls, "
+                              f"p95 {percentile(values, 0.95):.1f} ms",
+                        dtype="-", device=f"cpu ({os.cpu_count()} cores)",
+                        time_ms=medians[name, config],
+                        ratio=None if plain is None else medians[name, config] / plain))
     return append(rows, "sandbox")
 
 
@@ -103,13 +118,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200, help="calls per program and isolation")
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--programs", nargs="+", choices=list(programs()),
+                        default=list(programs()))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--markdown", help="also write the table (and the command) here")
     parser.add_argument("--no-rows", action="store_true", help="append no rows to the jsonl")
     args = parser.parse_args()
     problem = bwrap_problem()
     if problem is not None:
         sys.exit(f"bench_sandbox: bubblewrap cannot run here: {problem}")
-    times = asyncio.run(measure(args.calls, args.warmup))
+    times = asyncio.run(measure(args.programs, args.configs, args.calls, args.warmup))
     lines = table(times)
     print("\n".join(lines))
     if not args.no_rows:
@@ -124,12 +142,13 @@ def main() -> None:
                 f"Machine: {os.cpu_count()} cores, Linux {platform.release()}, Python "
                 f"{platform.python_version()}, {bwrap_version()}; load average at the end "
                 f"{load:.2f} (other engineers' jobs share this machine). Each call awaited "
-                "alone; isolations alternate call by call. What is measured: the module doc of "
-                "`bench/bench_sandbox.py`.", "",
+                "alone; configurations alternate call by call. What is measured: the module doc "
+                "of `bench/bench_sandbox.py`.", "",
                 "Where bubblewrap's time goes: bwrap itself (its namespaces and mounts, "
                 "~10-20 ms for a bare `bwrap ... /bin/true` here) and, as root, the launcher's "
-                "uid drop and new user namespace (importing ctypes, a few ms). The python row is "
-                "what a `python_tool` call costs.", ""]
+                "uid drop and new user namespace (importing ctypes, a few ms); the seccomp filter "
+                "(libseccomp building and loading it) is the difference of the two bwrap rows. "
+                "The python rows are what a `python_tool` call costs.", ""]
         Path(args.markdown).write_text("# Cost per call of the bubblewrap sandbox\n\n"
                                        + "\n".join(head + lines) + "\n")
 
