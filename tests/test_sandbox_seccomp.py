@@ -202,16 +202,20 @@ def test_int80_is_killed(isolation, tmp_path):
 
 
 def test_missing_libseccomp_is_a_clear_error(isolation, monkeypatch):
+    registry = ToolRegistry([python_tool(isolation=isolation)])  # built while libseccomp loads
     monkeypatch.setattr(syscall_filter, "LIBSECCOMP", "libseccomp-missing.so.0")
     with pytest.raises(RuntimeError, match=r"libseccomp.*syscall_filter=False"):
         run_sandboxed_sync(PY, stdin="print(1)", isolation=isolation)
     assert run_sandboxed_sync(PY, stdin="print(1)", isolation=isolation,
                               syscall_filter=False).stdout == "1\n"
     # Through the tool: an error result the model reads, not a crash.
-    registry = ToolRegistry([python_tool(isolation=isolation)])
     [result] = registry.execute_sync(parse_tool_calls(call_text(("run_python",
                                                                  {"code": "print(1)"}))))
     assert result.error == "tool_exception" and "syscall_filter=False" in result.content
+    # A tool built now fails at once, as isolation="bwrap" does without bubblewrap.
+    with pytest.raises(RuntimeError, match=r"libseccomp.*syscall_filter=False"):
+        python_tool(isolation=isolation)
+    python_tool(isolation=isolation, syscall_filter=False)
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])

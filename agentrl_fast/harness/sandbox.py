@@ -548,7 +548,8 @@ def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: i
     result the model reads). The Tool's own timeout is the sandbox's plus 5 s, so the sandbox's
     kill, not the registry's, ends a runaway program and its message is the one the model reads.
     ``isolation="bwrap"`` raises ``RuntimeError`` here, at construction, when bubblewrap cannot
-    run on this machine (and ``"auto"`` warns here).
+    run on this machine (and ``"auto"`` warns here), as does ``syscall_filter=True`` when
+    libseccomp cannot be loaded.
     """
     # Check the limits and the isolation now, not at the model's first call.
     _validate([sys.executable], b"", timeout, memory_mb, cpu_seconds, max_output_bytes, None,
@@ -557,6 +558,11 @@ def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: i
         raise TypeError(f"python_tool: site_packages must be a bool, got "
                         f"{type(site_packages).__name__}")
     _isolation_for(isolation)
+    problem = _syscall_filter.libseccomp_problem() if syscall_filter else None
+    if problem is not None:
+        raise RuntimeError(f"python_tool: the system-call filter needs libseccomp: {problem}. "
+                           f"Install it (apt-get install libseccomp2) or pass "
+                           f"syscall_filter=False")
     cpu = math.ceil(cpu_seconds if cpu_seconds is not None else timeout)
     argv = ([sys.executable, "-I", "-u", "-"] if site_packages
             else [base_python(), "-I", "-S", "-u", "-"])

@@ -33,6 +33,8 @@ otherwise be hand-written here. A pip binding could not be imported by ``python 
 
 from __future__ import annotations
 
+import ctypes
+
 LIBSECCOMP = "libseccomp.so.2"
 """The library the launcher loads (a name the dynamic loader finds, or a path)."""
 
@@ -142,3 +144,13 @@ LAUNCHER_CODE = (f"SYSCALL_FILTER_EPERM = {DENIED_SYSCALLS!r}\n"
 """Python text defining ``load_syscall_filter(library)`` (and the lists it reads); needs
 ``os`` imported. Raises ``RuntimeError`` naming libseccomp and ``syscall_filter=False`` when
 libseccomp is missing or refuses the filter."""
+
+
+def libseccomp_problem() -> str | None:
+    """Why the filter cannot be loaded here, or ``None``: checks that :data:`LIBSECCOMP` loads
+    (in this process; the filter itself is only ever loaded in the sandboxed child)."""
+    try:
+        ctypes.CDLL(LIBSECCOMP)
+    except OSError as error:
+        return f"cannot load {LIBSECCOMP} ({error})"
+    return None
