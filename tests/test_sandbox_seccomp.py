@@ -11,7 +11,6 @@ tests/test_sandbox_isolation.py. This machine runs them as root, as CI does.
 
 import errno
 import json
-import os
 import platform
 import shutil
 import signal
