@@ -7,7 +7,8 @@ the usual ways into the kernel or out of a sandbox; each of those fails with ``E
   ``process_vm_readv``, ``pidfd_getfd``, ...), namespaces (``unshare``, ``setns``), mounts (old
   and new API), kernel modules and ``kexec``, ``bpf``, ``perf_event_open``, ``userfaultfd``,
   ``io_uring``, the kernel keyring, file handles (``open_by_handle_at``), the clock, swap,
-  reboot, quotas, ``syslog``, x86 port I/O and some obsolete calls;
+  reboot, quotas, ``syslog``, x86 port I/O, moving other processes' pages and some obsolete
+  calls;
 - ``clone`` with any of :data:`NAMESPACE_CLONE_FLAGS` (a comparison on its flags argument), so
   a program cannot make a user namespace (in which it would be root, with the kernel code only
   root reaches) nor any other namespace; plain ``fork``, ``vfork`` and threads are allowed;
@@ -53,8 +54,9 @@ DENIED_SYSCALLS: tuple[str, ...] = (
     "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
     "io_uring_setup", "io_uring_enter", "io_uring_register", "name_to_handle_at",
     "open_by_handle_at", "lookup_dcookie", "fanotify_init",
-    # NUMA placement (a program has no use for it here)
-    "mbind", "set_mempolicy", "migrate_pages", "move_pages",
+    # moving other processes' pages between NUMA nodes (a process's own policy, mbind and
+    # set_mempolicy, stays allowed: numerical libraries set it)
+    "migrate_pages", "move_pages",
     # obsolete
     "_sysctl", "uselib", "ustat", "sysfs", "nfsservctl", "create_module", "get_kernel_syms",
     "query_module",
