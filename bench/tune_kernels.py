@@ -10,7 +10,10 @@ Launches tuned (``TARGETS``): attention forward and backward in bf16 at head dim
 (causal, GQA 32/8 query/KV heads, a long-tail mix of 65536 tokens), ``token_logprobs`` forward
 + backward (bf16 logits, 4096 rows) at a vocabulary under 16384 and at 151936. Candidates: the
 default configuration and every configuration that moves one of its parameters to another value
-of ``VALUES`` (a coordinate sweep: ~6 per launch, not a grid). On CUDA every candidate is first
+of ``VALUES`` (a coordinate sweep: ~6 per launch, not a grid) except the moves in ``SKIPPED``,
+then the launch's ``EXTRA`` configurations, which move several parameters together (pipelined
+attention backwards, spill-free only with another block or warp count): 44 candidates in all;
+``tests/triton_aot.py`` compiles the ``EXTRA`` ones for sm_90. On CUDA every candidate is first
 compiled in parallel processes (Triton's disk cache; compiles dominate a sweep), then timed with
 ``triton.testing.do_bench`` (median, L2 flushed); a candidate that fails to compile or launch is
 a row with its error. The attention backward's candidates are timed forward + backward with the
@@ -45,6 +48,25 @@ VALUES = {"BLOCK_M": (32, 64, 128), "BLOCK_N": (32, 64, 128), "BLOCK": (32, 64, 
           "STEP": (16, 32, 64), "BLOCK_V": (1024, 2048, 4096, 8192), "num_warps": (4, 8),
           "num_stages": (1, 2, 3)}
 KEEP_MARGIN = 1.03  # a candidate replaces the default only when this much faster
+# Coordinate moves not timed, per launch: hopeless at compile time (triton 3.6, sm_90).
+# BLOCK 32: M = 32 keys under wgmma's 64 per warpgroup; 128 keys with 4 warps spill 604 B
+# (D 64), ~1.8 KB (D 128).
+SKIPPED = {("varlen_attention_backward", "bf16_d64"): ({"BLOCK": 32}, {"BLOCK": 128}),
+           ("varlen_attention_backward", "bf16_d128"): ({"BLOCK": 32}, {"num_warps": 4})}
+# Configurations that move several parameters at once (merged into the default), timed after
+# the coordinate moves: pipelined dk/dv kernels (cp.async loads of q and dO), each without
+# spills in the hinted triton 3.6 compile (registers in brackets; the coordinate move to
+# num_stages 2 is spill-free too: 239 at D 64, 254 at D 128).
+EXTRA = {
+    ("varlen_attention_backward", "bf16_d64"): (
+        {"num_warps": 8, "num_stages": 2},                  # 64 x 64, 2 warpgroups (213)
+        {"BLOCK": 128, "num_warps": 8, "num_stages": 2},    # 128 x 64, m64n64 mostly (243)
+        {"STEP": 32, "num_stages": 3}),                     # 64 x 32, 4 warps (222)
+    ("varlen_attention_backward", "bf16_d128"): (
+        {"STEP": 16, "num_stages": 2},                      # 128 x 16, 8 warps (223)
+        {"STEP": 16, "num_stages": 3},                      # (234)
+        {"BLOCK": 64, "STEP": 64, "num_stages": 2}),        # 64 x 64, 8 warps (252)
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +99,27 @@ def default_config(target: Target) -> dict:
     return {"BLOCK_V": block_v, "num_warps": num_warps}
 
 
-def candidates(default: dict, limit: int | None = None) -> list[dict]:
-    """The default, then each configuration that moves one parameter to another value."""
+def extra_configs(op: str, key: str, default: dict) -> list[dict]:
+    """``EXTRA``'s configurations of a launch merged into ``default`` (those naming a parameter
+    the default lacks are dropped: the kernel changed)."""
+    return [{**default, **extra} for extra in EXTRA.get((op, key), ())
+            if set(extra) <= set(default)]
+
+
+def candidates(default: dict, limit: int | None = None,
+               target: Target | None = None) -> list[dict]:
+    """The default, then each configuration that moves one parameter to another value (but the
+    target's ``SKIPPED`` moves), then the target's ``EXTRA`` configurations; once each."""
+    where = (target.op, target.key) if target else None
+    skipped = SKIPPED.get(where, ())
     out = [dict(default)]
     for name, value in default.items():
         for other in VALUES.get(name, ()):
-            if other != value:
+            if other != value and {name: other} not in skipped:
                 out.append({**default, name: other})
+    for config in extra_configs(*where, default) if target else ():
+        if config not in out:
+            out.append(config)
     return out[:limit] if limit else out
 
 
@@ -169,7 +205,7 @@ def sweep(args) -> tuple[list, dict]:
 
     start = time.monotonic()
     limit = 2 if args.tiny else None
-    plans = [(t, candidates(default_config(t), limit)) for t in TARGETS
+    plans = [(t, candidates(default_config(t), limit, t)) for t in TARGETS
              if not args.tiny or t.head_dim == 64]
     if args.device == "cuda":
         jobs = [(t, c, args.device, args.tiny) for t, cs in plans for c in cs]

@@ -1,7 +1,8 @@
 """The tuning sweep's hand-off (kernels/tuned.py): a tuned configuration is what the kernels'
 configuration functions return on its GPU only, a stale one (other parameters) is ignored, the
-AOT compile list gains every tuned configuration, and the sweep's candidates move one parameter
-at a time. The kernels are loaded by path, as tests/triton_aot.py loads them (no torch needed)."""
+AOT compile list gains every tuned configuration and the sweep's extra candidates, and the
+sweep's candidates move one parameter at a time (then its extras). The kernels are loaded by
+path, as tests/triton_aot.py loads them (no torch needed)."""
 
 import json
 import sys
@@ -100,3 +101,50 @@ def test_sweep_candidates_move_one_parameter_at_a_time():
         assert sum(config[k] != default[k] for k in default) == 1
     assert {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3} in got
     assert candidates(default, limit=2) == got[:2]
+
+
+def test_sweep_skips_and_extra_candidates():
+    from bench import tune_kernels
+
+    target = next(t for t in tune_kernels.TARGETS
+                  if (t.op, t.key) == ("varlen_attention_backward", "bf16_d128"))
+    default = {"BLOCK": 128, "STEP": 32, "num_warps": 8, "num_stages": 1}
+    got = tune_kernels.candidates(default, target=target)
+    assert got[0] == default and len(got) == len({json.dumps(c, sort_keys=True) for c in got})
+    moves = [c for c in got[1:] if sum(c[k] != default[k] for k in default) == 1]
+    assert {**default, "BLOCK": 32} not in got and {**default, "num_warps": 4} not in got
+    assert {**default, "num_stages": 2} in moves
+    extras = got[1 + len(moves):]  # after the coordinate moves, several parameters moved
+    assert extras == tune_kernels.extra_configs(target.op, target.key, default)
+    assert extras and all(c["num_stages"] > 1 and sum(c[k] != default[k] for k in default) > 1
+                          for c in extras)
+    # an extra naming a parameter the kernel lacks is dropped
+    assert tune_kernels.extra_configs(target.op, target.key, {"BLOCK": 128}) == []
+    plain = tune_kernels.candidates(default)  # no target: no skips, no extras
+    assert {**default, "BLOCK": 32} in plain
+    assert all(sum(c[k] != default[k] for k in default) == 1 for c in plain[1:])
+    assert all(len(t) <= 3 for t in tune_kernels.EXTRA.values())
+
+
+def test_aot_compiles_the_sweep_extras():
+    from bench import tune_kernels
+
+    modules = {m.__name__.rsplit(".", 1)[-1]: m for m in triton_aot.load_kernel_modules()}
+    specs = list(modules["varlen_attention"].aot_specs())
+    extras = triton_aot.sweep_extras()
+    assert extras == tune_kernels.EXTRA
+    out = triton_aot.with_sweep_extras(specs, extras)
+    added = {s["name"]: s for s in out[len(specs):]}
+    # only for the launch the sweep times (atomic dq, even head dim), not its relatives
+    assert len(added) == sum(len(v) for v in extras.values())
+    base = {s["name"]: s for s in specs}
+    for (op, key), configs in extras.items():
+        spec = base[f"{op}_{key}"]
+        for index, config in enumerate(configs):
+            variant = added[f"{op}_{key}_sweep{index}"]
+            assert variant["allow_spills"] is False  # a hot launch: a spill fails the compile test
+            merged = {**spec["constexprs"], **{k: v for k, v in config.items()
+                                               if k in spec["constexprs"]}}
+            assert variant["constexprs"] == merged
+            assert variant["num_stages"] == config.get("num_stages", spec["num_stages"])
+            assert variant["num_warps"] == config.get("num_warps", spec["num_warps"])

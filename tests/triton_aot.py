@@ -12,7 +12,9 @@ any triton version in a side environment: ``python tests/triton_aot.py``. Each m
                configurations are compiled too),
      "hints": {"divisible_by_16": [int arg, ...], "equal_to_1": [int arg, ...]} (optional)}
 
-one per configuration the launcher can pick. Launch hints: triton's launcher specialises every
+one per configuration the launcher can pick, plus those the tuning sweep
+(``bench/tune_kernels.py``, loaded by path: no torch) may choose: the ones it wrote
+(``tuning``) and its ``EXTRA`` candidates. Launch hints: triton's launcher specialises every
 pointer and integer argument on its value (``tt.divisibility = 16`` when divisible by 16, the
 constant 1 for an integer equal to 1), and the compile it makes depends on it (vectorised and
 ``cp.async`` loads need aligned addresses). Each compile here gets the specialisation of a
@@ -278,6 +280,22 @@ def compile_cost(spec: dict) -> tuple:
             "_fp32_" in spec["name"], constexprs.get("HEAD_DIM", 0))
 
 
+def _variant(spec: dict, config: dict, name: str) -> dict | None:
+    """``spec`` with ``config``'s ``num_warps`` / ``num_stages`` and its other entries as the
+    constexprs of the same name; None when ``config`` names anything else (not a configuration
+    of this kernel) or changes nothing."""
+    if not set(config) <= set(spec["constexprs"]) | {"num_warps", "num_stages"}:
+        return None
+    variant = dict(spec, name=name, constexprs={**spec["constexprs"],
+                                                **{k: v for k, v in config.items()
+                                                   if k in spec["constexprs"]}})
+    variant.update({k: config[k] for k in ("num_warps", "num_stages") if k in config})
+    if variant["constexprs"] == spec["constexprs"] and all(
+            variant[k] == spec[k] for k in ("num_warps", "num_stages")):
+        return None
+    return variant
+
+
 def with_tuned_variants(specs: list[dict], tuned) -> list[dict]:
     """``specs`` plus, for each spec with a ``tuning`` key ``(op, key)``, one spec per
     configuration the tuning sweep wrote for it (``kernels/tuned.py``, any GPU): the launcher
@@ -289,16 +307,37 @@ def with_tuned_variants(specs: list[dict], tuned) -> list[dict]:
         if "tuning" not in spec:
             continue
         for index, config in enumerate(tuned.tuned_variants(*spec["tuning"])):
-            if "num_warps" not in config or not set(config) <= (
-                    set(spec["constexprs"]) | {"num_warps", "num_stages"}):
+            if "num_warps" not in config:
                 continue  # not a configuration of this kernel (a stale sweep)
-            variant = dict(spec, name=f"{spec['name']}_tuned{index}",
-                           constexprs={**spec["constexprs"],
-                                       **{k: v for k, v in config.items()
-                                          if k in spec["constexprs"]}})
-            variant.update({k: config[k] for k in ("num_warps", "num_stages") if k in config})
-            if variant["constexprs"] != spec["constexprs"] or any(
-                    variant[k] != spec[k] for k in ("num_warps", "num_stages")):
+            variant = _variant(spec, config, f"{spec['name']}_tuned{index}")
+            if variant is not None:
+                out.append(variant)
+    return out
+
+
+def sweep_extras() -> dict:
+    """``EXTRA`` of ``bench/tune_kernels.py`` (the sweep's candidates that move several
+    parameters at once, ``{(op, key): (partial config, ...)}``), loaded by path: it imports no
+    torch at module level."""
+    path = KERNELS.parent / "bench" / "tune_kernels.py"
+    spec = importlib.util.spec_from_file_location("agentrl_fast_tune_kernels_aot", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.EXTRA
+
+
+def with_sweep_extras(specs: list[dict], extras: dict) -> list[dict]:
+    """``specs`` plus one spec per ``extras`` configuration of a launch ``(op, key)``, for the
+    spec named ``<op>_<key>`` (the launch the sweep times, e.g. the dk/dv kernel with the
+    atomic dq at an even head dim), named ``<op>_<key>_sweep<i>``; each keeps the spec's
+    ``allow_spills``, so a sweep candidate of a hot launch must compile without spills."""
+    out = list(specs)
+    for spec in specs:
+        if "tuning" not in spec or spec["name"] != "_".join(spec["tuning"]):
+            continue
+        for index, config in enumerate(extras.get(tuple(spec["tuning"]), ())):
+            variant = _variant(spec, config, f"{spec['name']}_sweep{index}")
+            if variant is not None:
                 out.append(variant)
     return out
 
@@ -308,7 +347,7 @@ def main() -> int:
     for module in modules:
         SPECS.extend(getattr(module, "aot_specs", lambda: [])())
     tuned = next(m for m in modules if m.__name__.endswith(".tuned"))
-    SPECS[:] = with_tuned_variants(SPECS, tuned)
+    SPECS[:] = with_sweep_extras(with_tuned_variants(SPECS, tuned), sweep_extras())
     only = sys.argv[1:]  # optional: names to compile (spot checks)
     if only:
         SPECS[:] = [spec for spec in SPECS if spec["name"] in only]
