@@ -1,7 +1,8 @@
 """Benchmark: the cost per call of running model-written code under bubblewrap
 (``isolation="bwrap"``) against the plain child process (``isolation="none"``), and of the
-seccomp system-call filter (``bwrap-no-filter``: bubblewrap with ``syscall_filter=False``; the
-other two run with the filter, the default).
+seccomp system-call filter (``bwrap-no-filter``: bubblewrap with ``syscall_filter=False``) and
+of the call's control group (``bwrap-no-cgroup``: ``cgroup="off"``); the others run with both,
+the defaults (the group where this host lets us make one).
 
 Each call is one ``run_sandboxed`` (``agentrl_fast/harness/sandbox.py``), awaited alone (no other
 call running), wall time from the call to its result. Programs:
@@ -38,7 +39,8 @@ from agentrl_fast.harness.bwrap import base_python
 from agentrl_fast.harness.sandbox import bwrap_problem, run_sandboxed
 
 CONFIGS = {"none": {"isolation": "none"}, "bwrap": {"isolation": "bwrap"},
-           "bwrap-no-filter": {"isolation": "bwrap", "syscall_filter": False}}
+           "bwrap-no-filter": {"isolation": "bwrap", "syscall_filter": False},
+           "bwrap-no-cgroup": {"isolation": "bwrap", "cgroup": "off"}}
 
 
 def programs() -> dict[str, tuple[list[str], str]]:
@@ -52,7 +54,8 @@ async def one_call(argv: list[str], stdin: str, config: str) -> float:
     result = await run_sandboxed(argv, stdin=stdin, timeout=30, **options)
     elapsed = time.perf_counter() - start
     if not result.ok or result.isolation != options["isolation"] or (
-            result.syscall_filter != options.get("syscall_filter", True)):
+            result.syscall_filter != options.get("syscall_filter", True)) or (
+            options.get("cgroup") == "off" and result.cgroup):
         raise RuntimeError(f"bench_sandbox: a call failed under {config}: {result}")
     return elapsed * 1000
 
@@ -95,6 +98,10 @@ def table(times: dict[tuple[str, str], list[float]]) -> list[str]:
             cost = medians[name, "bwrap"] - medians[name, "bwrap-no-filter"]
             lines.append(f"\nThe seccomp filter under bubblewrap, {name}: {cost:+.1f} ms per call "
                          f"(median bwrap minus median bwrap-no-filter).")
+        if (name, "bwrap") in medians and (name, "bwrap-no-cgroup") in medians:
+            cost = medians[name, "bwrap"] - medians[name, "bwrap-no-cgroup"]
+            lines.append(f"\nThe call's control group under bubblewrap, {name}: {cost:+.1f} ms "
+                         f"per call (median bwrap minus median bwrap-no-cgroup).")
     return lines
 
 

@@ -19,7 +19,7 @@ import time
 import pytest
 
 import agentrl_fast
-from agentrl_fast.harness import ToolRegistry, parse_tool_calls
+from agentrl_fast.harness import ToolRegistry, cgroups, parse_tool_calls
 from agentrl_fast.harness.bwrap import base_python
 from agentrl_fast.harness.sandbox import (FILE_SIZE_LIMIT_MB, LAUNCHER, SandboxResult,
                                           bwrap_problem, python_tool, run_sandboxed,
@@ -88,7 +88,8 @@ def test_output_and_exit_code(isolation):
     code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
     result = run_sandboxed_sync([base_python(), "-c", code], timeout=5, isolation=isolation)
     assert result == SandboxResult(exit_code=3, signal=None, stdout="out\n", stderr="err\n",
-                                   isolation=isolation, syscall_filter=True)
+                                   isolation=isolation, syscall_filter=True,
+                                   cgroup=cgroups.cgroup_problem() is None)
     assert not result.ok
     assert run_sandboxed_sync(["true"], isolation=isolation).ok
 

@@ -240,7 +240,9 @@ def test_setsid_child_does_not_outlive_the_call():
     marker = f"agentrl-escape-{uuid.uuid4()}"
     before = descendants()
     assert processes_with(marker) == []
-    content = run_tool(ESCAPE.format(marker=marker), isolation="bwrap", timeout=1)
+    # (cgroup="off" here and in the control: bubblewrap's PID namespace alone must do it;
+    # tests/test_sandbox_cgroup.py checks the control group's kill)
+    content = run_tool(ESCAPE.format(marker=marker), isolation="bwrap", timeout=1, cgroup="off")
     assert content.endswith("[killed: timeout after 1 s]")
     # (generous waits: on a loaded machine a killed namespace takes a while to be reaped; only
     # sandbox processes count: the test session's background jobs start processes meanwhile)
@@ -248,7 +250,7 @@ def test_setsid_child_does_not_outlive_the_call():
     assert wait_until(lambda: not sandboxed(descendants() - before), seconds=30), \
         sandboxed(descendants() - before)
     # Control: without isolation the setsid() child escapes the process-group kill.
-    run_tool(ESCAPE.format(marker=marker), isolation="none", timeout=1)
+    run_tool(ESCAPE.format(marker=marker), isolation="none", timeout=1, cgroup="off")
     survivors = processes_with(marker)
     for pid in survivors:
         os.kill(pid, 9)
@@ -347,11 +349,12 @@ def test_bombs_are_bounded_as_root(code):
 
 def test_process_count_is_limited():
     """Root ignores RLIMIT_NPROC; the sandbox's fresh uid does not. Control: without isolation
-    (as root) nothing stops 200 forks."""
-    isolated = attack(FORK_COUNT.format(count=200), "bwrap", max_processes=16)
+    (as root) nothing stops 200 forks. (Both without the call's control group, whose pids.max
+    bounds it too: tests/test_sandbox_cgroup.py.)"""
+    isolated = attack(FORK_COUNT.format(count=200), "bwrap", max_processes=16, cgroup="off")
     assert isolated["forks"] < 16
     if os.geteuid() == 0:
-        assert attack(FORK_COUNT.format(count=200), "none")["forks"] == 200
+        assert attack(FORK_COUNT.format(count=200), "none", cgroup="off")["forks"] == 200
 
 
 # --- 6. the trainer's environment and other processes are invisible ---------------------------

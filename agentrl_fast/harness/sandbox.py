@@ -39,7 +39,11 @@ What the child gets in both:
 - a seccomp system-call filter (``syscall_filter=True``, :mod:`.syscall_filter`, loaded through
   libseccomp by the launcher just before the ``exec``): ``EPERM`` for ``ptrace``, namespaces
   (``unshare``, ``setns``, ``clone`` with a namespace flag), mounts, ``bpf``, ``io_uring``,
-  ``keyctl``, ``perf_event_open`` and other calls no program here needs.
+  ``keyctl``, ``perf_event_open`` and other calls no program here needs;
+- a control group of its own where the host lets us make one (``cgroup="auto"``,
+  :mod:`.cgroups`): ``memory_mb`` bounds the memory of all its processes together, scratch
+  ``tmpfs`` pages included (the kernel's OOM killer ends the call: ``"memory_limit"``),
+  ``max_processes`` their number, and at the end every process in it is killed.
 
 The threat model (what this protects, what it does not, what production should add):
 docs/security.md.
@@ -59,74 +63,27 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from agentrl_fast.harness import cgroups as _cgroups
 from agentrl_fast.harness import syscall_filter as _syscall_filter
-from agentrl_fast.harness.bwrap import (INNER_UID, base_python, bwrap_command, bwrap_path,
-                                        sandbox_uid)
+from agentrl_fast.harness.bwrap import base_python, bwrap_command, bwrap_path, sandbox_uid
+from agentrl_fast.harness.launcher import (FILE_SIZE_LIMIT_MB, LAUNCHER,  # noqa: F401 - API
+                                           inner_command)
 from agentrl_fast.harness.tools import Tool, tool
-
-FILE_SIZE_LIMIT_MB = 64
-"""Largest file (MB) a sandboxed program may write (``RLIMIT_FSIZE``)."""
 
 ISOLATIONS = ("auto", "bwrap", "none")
 """``isolation`` values: ``"bwrap"`` (bubblewrap, or an error), ``"none"`` (resource limits
 only), ``"auto"`` (bubblewrap when it works here, else ``"none"`` with one warning)."""
 
+CGROUPS = ("auto", "required", "off")
+"""``cgroup`` values: a control group per call (:mod:`.cgroups`) when this host lets us make one
+(``"auto"``), or an error (``"required"``), or none (``"off"``)."""
+
 MAX_PROCESSES = 64
-"""Processes (and threads) a sandboxed program may have at once (``RLIMIT_NPROC``, bubblewrap
-only: without isolation it would count all of the user's processes, and root ignores it)."""
+"""Processes (and threads) a sandboxed program may have at once: ``RLIMIT_NPROC`` under
+bubblewrap (without isolation it would count all of the user's processes, and root ignores it)
+and the call's ``pids.max`` where it has a control group."""
 
 _KILL_GRACE_S = 2.0  # waiting for a killed group to be reaped and its pipes to close
-
-# Run as ``python -I -S -c LAUNCHER STATUS_FD AS_BYTES CPU_S FSIZE_BYTES NPROC UID INNER_UID
-# LIBSECCOMP -- PROGRAM ARGS...``. It writes "+" to STATUS_FD (so a sandbox that never started is
-# told apart from a program that failed), sets RLIMIT_NPROC (NPROC >= 0), drops to UID (>= 0,
-# root's sandboxes: the uid must change before the kernel counts processes) and enters a new user
-# namespace showing it as INNER_UID, sets the other limits (never raising a hard limit that is
-# already lower), loads the system-call filter through LIBSECCOMP (unless it is empty) and execs
-# the program. If that fails it writes the error to STATUS_FD (closed by a successful exec) and
-# exits 127.
-LAUNCHER = "import os, resource, sys\n" + _syscall_filter.LAUNCHER_CODE + """\
-args = sys.argv[1:]
-split = args.index("--")
-fd, memory, cpu, fsize, nproc, uid, inner = map(int, args[:split - 1])
-library = args[split - 1]
-argv = args[split + 1:]
-try:
-    os.write(fd, b"+")
-    if nproc >= 0:
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    if uid >= 0:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-        libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE, reset by setresuid: /proc/self is ours again
-        if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER) failed")
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{inner} {uid} 1"),
-                           ("gid_map", f"{inner} {uid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-    for which, soft, hard in ((resource.RLIMIT_AS, memory, memory),
-                              (resource.RLIMIT_CPU, cpu, cpu + 1),
-                              (resource.RLIMIT_FSIZE, fsize, fsize),
-                              (resource.RLIMIT_CORE, 0, 0)):
-        old_hard = resource.getrlimit(which)[1]
-        if old_hard != resource.RLIM_INFINITY:
-            hard = min(hard, old_hard)
-            soft = min(soft, hard)
-        resource.setrlimit(which, (soft, hard))
-    os.set_inheritable(fd, False)
-    if library:
-        load_syscall_filter(library)  # last: the launcher's own unshare must come before it
-    os.execvp(argv[0], argv)
-except BaseException as error:
-    number = getattr(error, "errno", None) or 0
-    os.write(fd, f"{type(error).__name__}\\0{number}\\0{error}".encode(errors="replace"))
-    os._exit(127)
-"""
-
 
 @dataclass(frozen=True)
 class SandboxResult:
@@ -145,7 +102,8 @@ class SandboxResult:
     ``SIGABRT``, what an allocation failure in C code under ``RLIMIT_AS`` usually becomes; a
     genuine crash is labelled the same), or ``None``. ``isolation``: what the program ran
     under, ``"bwrap"`` or ``"none"`` (resource limits only); ``syscall_filter``: whether the
-    seccomp filter (:mod:`.syscall_filter`) was on.
+    seccomp filter (:mod:`.syscall_filter`) was on; ``cgroup``: whether the call had its own
+    control group (:mod:`.cgroups`), whose out-of-memory kills read ``"memory_limit"``.
     """
 
     exit_code: int | None
@@ -157,6 +115,7 @@ class SandboxResult:
     killed_reason: str | None = None
     isolation: str = "none"
     syscall_filter: bool = False
+    cgroup: bool = False
 
     @property
     def ok(self) -> bool:
@@ -169,9 +128,11 @@ _MEMORY_SIGNALS = (_signal.SIGSEGV, _signal.SIGBUS, _signal.SIGABRT)
 
 
 def _killed_reason(timed_out: bool, exit_code: int | None, signum: int | None,
-                   stderr: bytes) -> str | None:
+                   stderr: bytes, oom_killed: bool) -> str | None:
     if timed_out:
         return "timeout"
+    if oom_killed:
+        return "memory_limit"
     if signum in (_signal.SIGXCPU, _signal.SIGKILL):
         return "cpu_limit"
     if signum in _MEMORY_SIGNALS:
@@ -197,7 +158,8 @@ def _check_number(name: str, value, *, minimum: float, integer: bool = False,
 
 
 def _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env,
-              isolation="none", max_processes=1, read_only_paths=(), syscall_filter=False):
+              isolation="none", max_processes=1, read_only_paths=(), syscall_filter=False,
+              cgroup="off"):
     if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence):
         raise TypeError(f"run_sandboxed: argv must be a sequence of str such as "
                         f"['python', '-c', 'print(1)'], got {type(argv).__name__}")
@@ -240,6 +202,24 @@ def _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cw
     if not isinstance(syscall_filter, bool):
         raise TypeError(f"run_sandboxed: syscall_filter must be a bool (True: the seccomp "
                         f"filter), got {type(syscall_filter).__name__}")
+    if cgroup not in CGROUPS:
+        raise ValueError(f"run_sandboxed: cgroup must be one of {CGROUPS}, got {cgroup!r}")
+
+
+def _call_group(cgroup: str, memory_mb: int, max_processes: int) -> _cgroups.CallGroup | None:
+    """The call's control group, or ``None`` (``"off"``, or ``"auto"`` where none can be made)."""
+    if cgroup == "off":
+        return None
+    problem = _cgroups.cgroup_problem()
+    if problem is None:
+        try:
+            return _cgroups.CallGroup.create(_cgroups.hierarchy(), memory_mb << 20, max_processes)
+        except OSError as error:
+            problem = f"making the call's group failed: {error}"
+    if cgroup == "required":
+        raise RuntimeError(f"run_sandboxed: cgroup='required' but {problem}; pass cgroup='auto' "
+                           f"or 'off' (docs/security.md)")
+    return None
 
 
 def default_env() -> dict[str, str]:
@@ -250,15 +230,6 @@ def default_env() -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8",
             "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1"}
-
-
-def _inner_command(status_fd: int, memory_mb: int, cpu: int, nproc: int, uid: int,
-                   syscall_filter: bool, argv: Sequence[str]) -> list[str]:
-    """The launcher (run by the base interpreter, which is inside the sandbox too) and argv."""
-    return [base_python(), "-I", "-S", "-c", LAUNCHER, str(status_fd),
-            str(memory_mb * 1024 * 1024), str(cpu), str(FILE_SIZE_LIMIT_MB * 1024 * 1024),
-            str(nproc), str(uid), str(INNER_UID),
-            _syscall_filter.LIBSECCOMP if syscall_filter else "", "--", *argv]
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,7 +245,7 @@ def bwrap_problem() -> str | None:
     status_read, status_write = os.pipe()
     try:
         uid = sandbox_uid()
-        inner = _inner_command(status_write, 256, 10, MAX_PROCESSES, uid, False,
+        inner = inner_command(status_write, 256, 10, MAX_PROCESSES, uid, False,
                                [base_python(), "-I", "-S", "-c", "print('ok')"])
         result = subprocess.run(bwrap_command(bwrap, inner, uid=uid, cwd=None),
                                 pass_fds=(status_write,), capture_output=True, timeout=30,
@@ -380,9 +351,9 @@ def _launch_failure(status_fd: int, argv: Sequence[str], timed_out: bool,
 def _command(mode: str, status_fd: int, argv: Sequence[str], memory_mb: int, cpu: int,
              max_processes: int, cwd, read_only_paths, syscall_filter: bool) -> list[str]:
     if mode == "none":
-        return _inner_command(status_fd, memory_mb, cpu, -1, -1, syscall_filter, argv)
+        return inner_command(status_fd, memory_mb, cpu, -1, -1, syscall_filter, argv)
     uid = sandbox_uid()
-    inner = _inner_command(status_fd, memory_mb, cpu, max_processes, uid, syscall_filter, argv)
+    inner = inner_command(status_fd, memory_mb, cpu, max_processes, uid, syscall_filter, argv)
     return bwrap_command(bwrap_path(), inner, uid=uid, cwd=None if cwd is None else os.fspath(cwd),
                          read_only_paths=[os.fspath(path) for path in read_only_paths])
 
@@ -403,7 +374,7 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
                         env: Mapping[str, str] | None = None, isolation: str = "auto",
                         max_processes: int = MAX_PROCESSES,
                         read_only_paths: Sequence[str | os.PathLike] = (),
-                        syscall_filter: bool = True) -> SandboxResult:
+                        syscall_filter: bool = True, cgroup: str = "auto") -> SandboxResult:
     """Run ``argv`` in a child process under a timeout and resource limits, isolated with
     bubblewrap when ``isolation`` says so (see the module).
 
@@ -429,8 +400,9 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
     the run is killed before ``CancelledError`` propagates.
     """
     _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env,
-              isolation, max_processes, read_only_paths, syscall_filter)
+              isolation, max_processes, read_only_paths, syscall_filter, cgroup)
     mode = _isolation_for(isolation)
+    group = _call_group(cgroup, memory_mb, max_processes)
     data = stdin.encode("utf-8") if isinstance(stdin, str) else bytes(stdin)
     cpu = math.ceil(cpu_seconds if cpu_seconds is not None else timeout)
     status_read, status_write = os.pipe()
@@ -441,6 +413,7 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
         try:
             command = _command(mode, status_write, argv, memory_mb, cpu, max_processes, cwd,
                                read_only_paths, syscall_filter)
+            command = group.wrap(command) if group is not None else command
             transport, collector = await loop.subprocess_exec(
                 lambda: _Collector(max_output_bytes, loop), *command, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
@@ -461,6 +434,8 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
             # Under bubblewrap, bwrap's death kills its PID namespace (--die-with-parent), and
             # with it every process of the run, setsid() or not.
             _kill_group(transport.get_pid())
+            if group is not None:  # its processes, setsid() or not, bubblewrap or not
+                group.kill()
             try:
                 # The exit status and the pipes' last bytes; then close what is left (pipes held
                 # by a program that escaped the group with setsid()).
@@ -470,6 +445,9 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
         failure = _launch_failure(status_read, argv, timed_out, bytes(collector.output[2]))
     finally:
         os.close(status_read)
+        oom_killed = group is not None and group.oom_killed()
+        if group is not None:
+            group.remove()
     if failure is not None:
         raise failure
     exit_code, signum = _exit_status(mode, transport.get_returncode())
@@ -478,8 +456,9 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
                          stdout=out.decode("utf-8", errors="replace"),
                          stderr=err.decode("utf-8", errors="replace"), timed_out=timed_out,
                          truncated=collector.truncated,
-                         killed_reason=_killed_reason(timed_out, exit_code, signum, err),
-                         isolation=mode, syscall_filter=syscall_filter)
+                         killed_reason=_killed_reason(timed_out, exit_code, signum, err,
+                                                      oom_killed),
+                         isolation=mode, syscall_filter=syscall_filter, cgroup=group is not None)
 
 
 def run_sandboxed_sync(argv: Sequence[str], **kwargs) -> SandboxResult:
@@ -497,6 +476,8 @@ def _status_lines(result: SandboxResult, *, timeout: float, cpu_seconds: int,
     elif result.killed_reason == "memory_limit":
         if result.signal is not None:
             lines.append(f"[killed: memory limit {memory_mb} MB]")
+        elif result.exit_code == 0:  # the call's group killed one of its other processes
+            lines.append(f"[a process was killed: memory limit {memory_mb} MB]")
         else:
             lines.append(f"[exit code {result.exit_code}: memory limit {memory_mb} MB]")
     elif result.signal is not None:
@@ -526,14 +507,15 @@ def format_result(result: SandboxResult, *, timeout: float, cpu_seconds: int,
 def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: int = 512,
                 cpu_seconds: float | None = None, max_output_bytes: int = 8192,
                 isolation: str = "auto", max_processes: int = MAX_PROCESSES,
-                site_packages: bool = False, syscall_filter: bool = True) -> Tool:
+                site_packages: bool = False, syscall_filter: bool = True,
+                cgroup: str = "auto") -> Tool:
     """A :class:`~.tools.Tool` (``code: str``) running the model's Python in :func:`run_sandboxed`.
 
     The code goes to the base interpreter's ``python -I -S -u -`` on stdin (``-u``: what was
     printed before a kill is kept; ``-I -S``: no environment variables, no site-packages, only
     the standard library). ``site_packages=True`` runs ``python -I -u -`` instead, the trainer's
     interpreter with its installed packages (its virtual environment, if any, bound read-only
-    under bubblewrap). ``isolation``, ``max_processes`` and ``syscall_filter``: as
+    under bubblewrap). ``isolation``, ``max_processes``, ``syscall_filter`` and ``cgroup``: as
     :func:`run_sandboxed`.
     The tool returns one text: the program's stdout, then its stderr (if any), then status lines
     as they apply: ``[exit code 1]``, ``[killed: timeout after 2 s]``,
@@ -548,12 +530,14 @@ def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: i
     result the model reads). The Tool's own timeout is the sandbox's plus 5 s, so the sandbox's
     kill, not the registry's, ends a runaway program and its message is the one the model reads.
     ``isolation="bwrap"`` raises ``RuntimeError`` here, at construction, when bubblewrap cannot
-    run on this machine (and ``"auto"`` warns here), as does ``syscall_filter=True`` when
-    libseccomp cannot be loaded.
+    run on this machine (and ``"auto"`` warns here), as do ``syscall_filter=True`` when
+    libseccomp cannot be loaded and ``cgroup="required"`` when no group can be made.
     """
     # Check the limits and the isolation now, not at the model's first call.
     _validate([sys.executable], b"", timeout, memory_mb, cpu_seconds, max_output_bytes, None,
-              None, isolation, max_processes, (), syscall_filter)
+              None, isolation, max_processes, (), syscall_filter, cgroup)
+    if cgroup == "required" and _cgroups.cgroup_problem() is not None:
+        raise RuntimeError(f"python_tool: cgroup='required' but {_cgroups.cgroup_problem()}")
     if not isinstance(site_packages, bool):
         raise TypeError(f"python_tool: site_packages must be a bool, got "
                         f"{type(site_packages).__name__}")
@@ -568,7 +552,7 @@ def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: i
             else [base_python(), "-I", "-S", "-u", "-"])
     options = {"timeout": timeout, "memory_mb": memory_mb, "cpu_seconds": cpu_seconds,
                "max_output_bytes": max_output_bytes, "isolation": isolation,
-               "max_processes": max_processes, "syscall_filter": syscall_filter,
+               "max_processes": max_processes, "syscall_filter": syscall_filter, "cgroup": cgroup,
                "read_only_paths": [sys.prefix] if site_packages else []}
 
     async def run_python(code: str) -> str:
