@@ -142,3 +142,40 @@ def test_a_bad_cgroup_value_is_named_and_required_runs_here():
     with pytest.raises(ValueError, match="cgroup must be one of"):
         run("print(1)", isolation="none", cgroup="yes")
     assert run("print(1)", isolation="none", cgroup="required").cgroup
+
+
+# Two processes spin for 1.5 s of wall clock each; the report is the CPU seconds they used.
+SPIN = """
+import json, os, time
+def spin():
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        pass
+pid = os.fork()
+if pid == 0:
+    spin()
+    os._exit(0)
+spin()
+os.waitpid(pid, 0)
+usage = os.times()
+print(json.dumps(usage.user + usage.system + usage.children_user + usage.children_system))
+"""
+
+
+def test_cpus_bounds_the_cpu_time_of_all_processes_together(isolation):
+    """cpus=0.2: at most ~0.3 CPU-s in 1.5 s of wall clock (the quota plus one period of
+    slack); the control without it gets at least twice that (two spinning processes on this
+    2-core machine, other tests' load included)."""
+    bounded = json.loads(run(SPIN, isolation=isolation, cpus=0.2, timeout=20).stdout)
+    assert bounded <= 0.2 * 1.5 + 0.15, bounded
+    control = json.loads(run(SPIN, isolation=isolation, timeout=20).stdout)
+    assert control >= 2 * bounded and control > 0.6, (control, bounded)
+
+
+def test_bad_cpus_are_named():
+    with pytest.raises(ValueError, match="cpus must be finite and >= 0.01"):
+        run("print(1)", isolation="none", cpus=0)
+    with pytest.raises(ValueError, match="cpus needs the call's control group"):
+        run("print(1)", isolation="none", cpus=1, cgroup="off")
+    with pytest.raises(TypeError, match="cpus must be a number"):
+        run("print(1)", isolation="none", cpus="1")

@@ -1,11 +1,12 @@
 """A control group per sandboxed call: one bound on the memory of all its processes together
 (the scratch ``tmpfs`` pages included) and on their number, which per-process rlimits are not,
-and one handle that kills every process of the call, ``setsid()`` or not, also without
-bubblewrap.
+optionally on their CPU time per wall-clock second (``cpus``), and one handle that kills every
+process of the call, ``setsid()`` or not, also without bubblewrap.
 
-cgroup v1 (a ``memory`` and a ``pids`` hierarchy; ``memory.limit_in_bytes``, ``pids.max``) and
-cgroup v2 (``memory.max``, ``memory.swap.max``, ``pids.max``, ``cgroup.kill``) are both read
-from ``/proc/self/mountinfo`` and ``/proc/self/cgroup``. A call's groups are made below the
+cgroup v1 (a ``memory`` and a ``pids`` hierarchy, and ``cpu`` where mounted;
+``memory.limit_in_bytes``, ``pids.max``, ``cpu.cfs_quota_us``) and cgroup v2 (``memory.max``,
+``memory.swap.max``, ``pids.max``, ``cpu.max``, ``cgroup.kill``) are both read from
+``/proc/self/mountinfo`` and ``/proc/self/cgroup``. A call's groups are made below the
 trainer's own (``agentrl_fast-<pid>-<n>``), which needs write access there: root on a host or a
 VM, or a delegated subtree (systemd ``Delegate=yes``, a container given its own cgroup
 namespace). Under v2 the trainer's group must already have ``memory`` and ``pids`` in its
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _counter = itertools.count()
+_CPU_PERIOD_US = 100_000  # the scheduler's accounting period for a cpus bound
 
 # Writes the shell's pid into each file before "--", then execs the rest. Exit 125 when a group
 # cannot be joined (the sandbox then reports that it did not start, quoting sh's message).
@@ -37,10 +39,12 @@ _JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift
 @dataclass(frozen=True)
 class Hierarchy:
     """Where a call's groups are made: ``version`` 1 or 2 and the parent directory of each
-    controller (``memory``, ``pids``; under v2 both are the same directory)."""
+    controller (``memory``, ``pids``, ``cpu`` or ``None`` when it is not available; under v2
+    they are the same directory)."""
     version: int
     memory: Path
     pids: Path
+    cpu: Path | None = None
 
 
 def _mounts() -> list[tuple[str, str, str, set[str]]]:
@@ -79,15 +83,15 @@ def find_hierarchy() -> Hierarchy | None:
     mounts, own = _mounts(), _own_paths()
     v1 = {}
     for root, point, fstype, options in mounts:
-        for controller in ("memory", "pids"):
+        for controller in ("memory", "pids", "cpu"):
             if fstype == "cgroup" and controller in options and controller in own:
                 v1[controller] = _inside(root, point, own[controller])
-    if len(v1) == 2:
-        return Hierarchy(1, v1["memory"], v1["pids"])
+    if "memory" in v1 and "pids" in v1:
+        return Hierarchy(1, v1["memory"], v1["pids"], v1.get("cpu"))
     for root, point, fstype, _ in mounts:
         if fstype == "cgroup2" and "" in own:
             parent = _inside(root, point, own[""])
-            return Hierarchy(2, parent, parent)
+            return Hierarchy(2, parent, parent, parent)
     return None
 
 
@@ -95,17 +99,22 @@ class CallGroup:
     """The groups of one call: made with its limits by :meth:`create`, joined by the child
     (:meth:`wrap`), and at the end :meth:`kill`, :meth:`oom_killed`, :meth:`remove`."""
 
-    def __init__(self, hierarchy: Hierarchy, name: str):
+    def __init__(self, hierarchy: Hierarchy, name: str, with_cpu: bool = False):
         self.hierarchy = hierarchy
         self.memory = hierarchy.memory / name
         self.pids = hierarchy.pids / name
-        self.dirs = [self.memory] if self.memory == self.pids else [self.memory, self.pids]
+        self.cpu = hierarchy.cpu / name if with_cpu and hierarchy.cpu is not None else None
+        self.dirs = list(dict.fromkeys(d for d in (self.memory, self.pids, self.cpu) if d))
 
     @classmethod
-    def create(cls, hierarchy: Hierarchy, memory_bytes: int, max_processes: int) -> "CallGroup":
-        """Make the groups and set the limits (raises ``OSError`` if the host does not let us;
-        nothing is left behind then)."""
-        group = cls(hierarchy, f"agentrl_fast-{os.getpid()}-{next(_counter)}")
+    def create(cls, hierarchy: Hierarchy, memory_bytes: int, max_processes: int,
+               cpus: float | None = None) -> "CallGroup":
+        """Make the groups and set the limits (``cpus``: CPU seconds per wall-clock second, all
+        processes together; needs ``hierarchy.cpu``). Raises ``OSError`` if the host does not
+        let us; nothing is left behind then."""
+        if cpus is not None and hierarchy.cpu is None:
+            raise OSError("no cpu controller in this process's control groups")
+        group = cls(hierarchy, f"agentrl_fast-{os.getpid()}-{next(_counter)}", cpus is not None)
         try:
             for directory in group.dirs:
                 directory.mkdir()
@@ -118,6 +127,13 @@ class CallGroup:
                 if (group.memory / "memory.swap.max").exists():
                     _write(group.memory / "memory.swap.max", 0)
             _write(group.pids / "pids.max", max_processes)
+            if cpus is not None:
+                quota = max(1000, round(cpus * _CPU_PERIOD_US))
+                if hierarchy.version == 1:
+                    _write(group.cpu / "cpu.cfs_period_us", _CPU_PERIOD_US)
+                    _write(group.cpu / "cpu.cfs_quota_us", quota)
+                else:
+                    _write(group.cpu / "cpu.max", f"{quota} {_CPU_PERIOD_US}")
         except OSError:
             group.remove()
             raise
@@ -223,12 +239,12 @@ def cgroup_problem() -> str | None:
 def _enable_v2_controllers(parent: Path) -> str | None:
     try:
         enabled = set((parent / "cgroup.subtree_control").read_text().split())
-        if {"memory", "pids"} <= enabled:
-            return None
         available = set((parent / "cgroup.controllers").read_text().split())
         if not {"memory", "pids"} <= available:
             return f"cgroup v2 at {parent} lacks the memory or pids controller"
-        _write(parent / "cgroup.subtree_control", "+memory +pids")
+        wanted = {"memory", "pids"} | ({"cpu"} & available)
+        if not wanted <= enabled:
+            _write(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in wanted))
     except OSError as error:
         return (f"cgroup v2: cannot enable memory and pids below {parent} "
                 f"({error.strerror or error}; a group that holds processes itself cannot)")
@@ -237,5 +253,10 @@ def _enable_v2_controllers(parent: Path) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def hierarchy() -> Hierarchy | None:
-    """The hierarchy calls' groups are made in, when :func:`cgroup_problem` is ``None``."""
-    return find_hierarchy() if cgroup_problem() is None else None
+    """The hierarchy calls' groups are made in, when :func:`cgroup_problem` is ``None``
+    (``cpu`` ``None`` under v2 when its ``cpu`` controller is not enabled for children)."""
+    found = find_hierarchy() if cgroup_problem() is None else None
+    if found is not None and found.version == 2:
+        enabled = (found.memory / "cgroup.subtree_control").read_text().split()
+        found = found if "cpu" in enabled else Hierarchy(2, found.memory, found.pids, None)
+    return found

@@ -159,7 +159,7 @@ def _check_number(name: str, value, *, minimum: float, integer: bool = False,
 
 def _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env,
               isolation="none", max_processes=1, read_only_paths=(), syscall_filter=False,
-              cgroup="off"):
+              cgroup="off", cpus=None):
     if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence):
         raise TypeError(f"run_sandboxed: argv must be a sequence of str such as "
                         f"['python', '-c', 'print(1)'], got {type(argv).__name__}")
@@ -204,21 +204,30 @@ def _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cw
                         f"filter), got {type(syscall_filter).__name__}")
     if cgroup not in CGROUPS:
         raise ValueError(f"run_sandboxed: cgroup must be one of {CGROUPS}, got {cgroup!r}")
+    if cpus is not None:
+        _check_number("cpus", cpus, minimum=0.01)
+        if cgroup == "off":
+            raise ValueError("run_sandboxed: cpus needs the call's control group; got "
+                             "cgroup='off'")
 
 
-def _call_group(cgroup: str, memory_mb: int, max_processes: int) -> _cgroups.CallGroup | None:
-    """The call's control group, or ``None`` (``"off"``, or ``"auto"`` where none can be made)."""
+def _call_group(cgroup: str, memory_mb: int, max_processes: int,
+                cpus: float | None) -> _cgroups.CallGroup | None:
+    """The call's control group, or ``None`` (``"off"``, or ``"auto"`` where none can be made
+    and no ``cpus`` bound asks for one)."""
     if cgroup == "off":
         return None
     problem = _cgroups.cgroup_problem()
     if problem is None:
         try:
-            return _cgroups.CallGroup.create(_cgroups.hierarchy(), memory_mb << 20, max_processes)
+            return _cgroups.CallGroup.create(_cgroups.hierarchy(), memory_mb << 20,
+                                             max_processes, cpus)
         except OSError as error:
             problem = f"making the call's group failed: {error}"
-    if cgroup == "required":
-        raise RuntimeError(f"run_sandboxed: cgroup='required' but {problem}; pass cgroup='auto' "
-                           f"or 'off' (docs/security.md)")
+    if cgroup == "required" or cpus is not None:
+        what = "cgroup='required'" if cpus is None else f"cpus={cpus!r}"
+        raise RuntimeError(f"run_sandboxed: {what} needs a control group per call, but "
+                           f"{problem} (docs/security.md)")
     return None
 
 
@@ -374,7 +383,8 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
                         env: Mapping[str, str] | None = None, isolation: str = "auto",
                         max_processes: int = MAX_PROCESSES,
                         read_only_paths: Sequence[str | os.PathLike] = (),
-                        syscall_filter: bool = True, cgroup: str = "auto") -> SandboxResult:
+                        syscall_filter: bool = True, cgroup: str = "auto",
+                        cpus: float | None = None) -> SandboxResult:
     """Run ``argv`` in a child process under a timeout and resource limits, isolated with
     bubblewrap when ``isolation`` says so (see the module).
 
@@ -391,7 +401,10 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
     bubblewrap (a program outside the system directories and the interpreter's prefix must be
     in one to run). ``syscall_filter``: load the seccomp filter (:mod:`.syscall_filter`; needs
     libseccomp, else the run fails to start with a ``RuntimeError`` saying so), in either
-    isolation.
+    isolation. ``cgroup``: one of :data:`CGROUPS` (default ``"auto"``): the call's own control
+    group, where ``memory_mb`` and ``max_processes`` bound all its processes together. ``cpus``:
+    CPU seconds per wall-clock second for all of them (e.g. 0.5; needs the group's ``cpu``
+    controller, else ``RuntimeError``); default unbounded.
 
     Everything the program does is reported in the :class:`SandboxResult`; this raises only for
     bad arguments (``TypeError``/``ValueError`` naming the argument) and when the program cannot
@@ -400,9 +413,9 @@ async def run_sandboxed(argv: Sequence[str], *, stdin: str | bytes = b"", timeou
     the run is killed before ``CancelledError`` propagates.
     """
     _validate(argv, stdin, timeout, memory_mb, cpu_seconds, max_output_bytes, cwd, env,
-              isolation, max_processes, read_only_paths, syscall_filter, cgroup)
+              isolation, max_processes, read_only_paths, syscall_filter, cgroup, cpus)
     mode = _isolation_for(isolation)
-    group = _call_group(cgroup, memory_mb, max_processes)
+    group = _call_group(cgroup, memory_mb, max_processes, cpus)
     data = stdin.encode("utf-8") if isinstance(stdin, str) else bytes(stdin)
     cpu = math.ceil(cpu_seconds if cpu_seconds is not None else timeout)
     status_read, status_write = os.pipe()
@@ -508,15 +521,15 @@ def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: i
                 cpu_seconds: float | None = None, max_output_bytes: int = 8192,
                 isolation: str = "auto", max_processes: int = MAX_PROCESSES,
                 site_packages: bool = False, syscall_filter: bool = True,
-                cgroup: str = "auto") -> Tool:
+                cgroup: str = "auto", cpus: float | None = None) -> Tool:
     """A :class:`~.tools.Tool` (``code: str``) running the model's Python in :func:`run_sandboxed`.
 
     The code goes to the base interpreter's ``python -I -S -u -`` on stdin (``-u``: what was
     printed before a kill is kept; ``-I -S``: no environment variables, no site-packages, only
     the standard library). ``site_packages=True`` runs ``python -I -u -`` instead, the trainer's
     interpreter with its installed packages (its virtual environment, if any, bound read-only
-    under bubblewrap). ``isolation``, ``max_processes``, ``syscall_filter`` and ``cgroup``: as
-    :func:`run_sandboxed`.
+    under bubblewrap). ``isolation``, ``max_processes``, ``syscall_filter``, ``cgroup`` and
+    ``cpus``: as :func:`run_sandboxed`.
     The tool returns one text: the program's stdout, then its stderr (if any), then status lines
     as they apply: ``[exit code 1]``, ``[killed: timeout after 2 s]``,
     ``[killed: CPU time limit 2 s]``, ``[killed: memory limit 256 MB]`` (or
@@ -535,9 +548,9 @@ def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: i
     """
     # Check the limits and the isolation now, not at the model's first call.
     _validate([sys.executable], b"", timeout, memory_mb, cpu_seconds, max_output_bytes, None,
-              None, isolation, max_processes, (), syscall_filter, cgroup)
-    if cgroup == "required" and _cgroups.cgroup_problem() is not None:
-        raise RuntimeError(f"python_tool: cgroup='required' but {_cgroups.cgroup_problem()}")
+              None, isolation, max_processes, (), syscall_filter, cgroup, cpus)
+    if cgroup == "required" or cpus is not None:  # raises now when no group can be made
+        _call_group(cgroup, memory_mb, max_processes, cpus).remove()
     if not isinstance(site_packages, bool):
         raise TypeError(f"python_tool: site_packages must be a bool, got "
                         f"{type(site_packages).__name__}")
@@ -552,7 +565,8 @@ def python_tool(*, name: str = "run_python", timeout: float = 10.0, memory_mb: i
             else [base_python(), "-I", "-S", "-u", "-"])
     options = {"timeout": timeout, "memory_mb": memory_mb, "cpu_seconds": cpu_seconds,
                "max_output_bytes": max_output_bytes, "isolation": isolation,
-               "max_processes": max_processes, "syscall_filter": syscall_filter, "cgroup": cgroup,
+               "max_processes": max_processes, "syscall_filter": syscall_filter,
+               "cgroup": cgroup, "cpus": cpus,
                "read_only_paths": [sys.prefix] if site_packages else []}
 
     async def run_python(code: str) -> str:
