@@ -88,7 +88,7 @@ def table(times: dict[tuple[str, str], list[float]]) -> list[str]:
              "none (median) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for (name, config), values in times.items():
         median, plain = medians[name, config], medians.get((name, "none"))
-        overhead = (f"+{median - plain:.1f} ms ({median / plain:.2f}x)"
+        overhead = (f"{median - plain:+.1f} ms ({median / plain:.2f}x)"
                     if plain is not None and config != "none" else "-")
         lines.append(f"| {name} | {config} | {len(values)} | {median:.1f} | "
                      f"{percentile(values, 0.95):.1f} | {statistics.fmean(values):.1f} | "
@@ -154,8 +154,15 @@ def main() -> None:
                 "Where bubblewrap's time goes: bwrap itself (its namespaces and mounts, "
                 "~10-20 ms for a bare `bwrap ... /bin/true` here) and, as root, the launcher's "
                 "uid drop and new user namespace (importing ctypes, a few ms); the seccomp filter "
-                "(libseccomp building and loading it) is the difference of the two bwrap rows. "
-                "The python rows are what a `python_tool` call costs.", ""]
+                "(libseccomp building and loading it) is the difference of bwrap and "
+                "bwrap-no-filter, the call's control group that of bwrap and bwrap-no-cgroup "
+                "(`none` has one too): moving the child into it waits for an RCU grace period "
+                "(cgroup migration takes a lock whose writer waits for one), 10-14 ms of latency "
+                "on this VM and no CPU, so concurrent calls overlap it; with "
+                "`/sys/kernel/rcu_expedited` set to 1 (a host setting, not changed by us) it was "
+                "gone: a bare bwrap `/bin/true` took 11.7 ms in a group against 12.2 ms without, "
+                "and 23-24 ms against 11.2-11.4 with it 0. The python rows are what a "
+                "`python_tool` call costs.", ""]
         Path(args.markdown).write_text("# Cost per call of the bubblewrap sandbox\n\n"
                                        + "\n".join(head + lines) + "\n")
 
