@@ -33,7 +33,8 @@ from agentrl_fast.harness.tool_calls import (
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-FUZZ = settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
+# 1500 fresh examples per run (hypothesis draws new ones each CI run; 3000 cost CI 10 s more).
+FUZZ = settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 def qwen3(name: str, arguments) -> str:
