@@ -30,14 +30,13 @@ import triton_aot  # noqa: E402
 GRID = {"head_dim": (64, 128), "BLOCK": (64, 128), "STEP": (16, 32, 64), "num_warps": (4, 8)}
 
 
-def spec(module, dtype: str, head_dim: int, block: int, step: int, warps: int,
-         stages: int) -> dict:
-    signature = module._backward_dkdv_signature(dtype)
-    return {"name": f"d{head_dim} {block}x{step} w{warps} s{stages}",
-            "fn": module.varlen_attention_backward_dkdv_kernel, "signature": signature,
-            "constexprs": {"HEAD_DIM": head_dim, "EVEN_D": True, "BLOCK": block, "STEP": step,
-                           "IEEE": False, "ATOMIC_DQ": True},
-            "num_warps": warps, "num_stages": stages, "hints": module._launch_hints(signature)}
+def spec(shipped: dict, head_dim: int, block: int, step: int, warps: int, stages: int) -> dict:
+    """The shipped spec of the dk/dv launch (atomic dq, even head dim) at ``head_dim``, moved to
+    this configuration (``tests/triton_aot.py``'s ``_variant``, as the sweep's extras are)."""
+    name = f"d{head_dim} {block}x{step} w{warps} s{stages}"
+    config = {"BLOCK": block, "STEP": step, "num_warps": warps, "num_stages": stages}
+    base = shipped[head_dim]
+    return triton_aot._variant(base, config, name) or dict(base, name=name)
 
 
 _SPECS: list[dict] = []
@@ -55,7 +54,9 @@ def study(dtype: str, stages: list[int]) -> list[dict]:
     """Rows of every grid configuration (compiled in two processes)."""
     module = {m.__name__.rsplit(".", 1)[-1]: m
               for m in triton_aot.load_kernel_modules()}["varlen_attention"]
-    _SPECS[:] = [spec(module, dtype, *point, stage)
+    by_name = {s["name"]: s for s in module.aot_specs()}
+    shipped = {d: by_name[f"varlen_attention_backward_{dtype}_d{d}"] for d in GRID["head_dim"]}
+    _SPECS[:] = [spec(shipped, *point, stage)
                  for point in itertools.product(*GRID.values()) for stage in stages]
     with multiprocessing.get_context("fork").Pool(max(1, min(2, os.cpu_count() or 1))) as pool:
         return pool.map(_row, range(len(_SPECS)))
