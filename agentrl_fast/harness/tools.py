@@ -28,6 +28,7 @@ import asyncio
 import copy
 import functools
 import inspect
+import itertools
 import json
 import numbers
 import os
@@ -213,28 +214,36 @@ class _ToolThreads:
         self.max_idle = max_idle
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue] = []
+        self._started = itertools.count()
 
     def reset(self) -> None:
         """Forget the idle threads (in a forked child, which has none of them)."""
         self._lock = threading.Lock()
         self._idle = []
 
-    def run(self, job: Callable[[], None]) -> None:
+    def run(self, work: Callable[[], object], done: Callable[[object], None]) -> None:
+        """Run ``work()`` on an idle thread (or a new one), then ``done(its outcome)``."""
         with self._lock:
             inbox = self._idle.pop() if self._idle else None
         if inbox is None:
             inbox = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(inbox,), name="agentrl_fast-tool",
-                             daemon=True).start()
-        inbox.put(job)
+            threading.Thread(target=self._serve, args=(inbox,), daemon=True,
+                             name=f"agentrl_fast-tool-{next(self._started)}").start()
+        inbox.put((work, done))
 
     def _serve(self, inbox: queue.SimpleQueue) -> None:
         while True:
-            inbox.get()()
+            work, done = inbox.get()
+            outcome = work()
+            # Idle again before the caller hears of the outcome: a call it makes next finds
+            # this thread instead of starting another.
             with self._lock:
-                if len(self._idle) >= self.max_idle:
-                    return
-                self._idle.append(inbox)
+                stay = len(self._idle) < self.max_idle
+                if stay:
+                    self._idle.append(inbox)
+            done(outcome)
+            if not stay:
+                return
 
 
 _TOOL_THREADS = _ToolThreads()
@@ -247,21 +256,24 @@ def _in_thread(fn: Callable, arguments: dict) -> asyncio.Future:
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
-    def settle(outcome, failed):
+    def settle(outcome: tuple[object, bool]) -> None:
+        value, failed = outcome
         if not future.done():
-            (future.set_exception if failed else future.set_result)(outcome)
+            (future.set_exception if failed else future.set_result)(value)
 
-    def target():
+    def work() -> tuple[object, bool]:
         try:
-            value, failed = _call_sync(fn, arguments), False
+            return _call_sync(fn, arguments), False
         except BaseException as error:  # noqa: BLE001 - handed to the awaiting task
-            value, failed = error, True
+            return error, True
+
+    def done(outcome: tuple[object, bool]) -> None:
         try:
-            loop.call_soon_threadsafe(settle, value, failed)
+            loop.call_soon_threadsafe(settle, outcome)
         except RuntimeError:  # the loop closed while the abandoned tool was still running
             pass
 
-    _TOOL_THREADS.run(target)
+    _TOOL_THREADS.run(work, done)
     return future
 
 
