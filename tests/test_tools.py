@@ -770,7 +770,7 @@ def test_hung_sync_tools_do_not_starve_later_calls():
     start = time.perf_counter()
     results = reg.execute_sync(parse_tool_calls(block("add", {"a": 1, "b": 2}) * 4))
     assert [r.content for r in results] == ["3"] * 4
-    assert time.perf_counter() - start < 0.25
+    assert time.perf_counter() - start < 1.0  # not behind the 3 s hung tools
 
 
 @tool

@@ -55,17 +55,16 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(setup, tmp_path_factory):
-    """Two servers of the policy, booted side by side; the second serves only the two-server
-    test."""
+    """Two servers of the policy. The second serves only the two-server test, which waits for
+    it: it boots while the tests before run (booting both before the first test would take
+    longer than a test may, on two cores)."""
     python = side_env_python("vllm")
     logs = tmp_path_factory.mktemp("vllm")
     running = [VLLMServer(setup[3], python=python, log_path=logs / f"server{i}.log")
                for i in range(2)]
     try:
-        for server in running:
-            server.launch()
-        for server in running:
-            server.wait()
+        running[0].start()
+        running[1].launch()
         yield running
     finally:
         for server in running:
@@ -231,6 +230,7 @@ def test_two_servers_share_the_requests_take_the_weights_and_a_dead_one_is_named
     and killing one mid-run ends the run with an error naming it and quoting its log."""
     _, environment, chat, policy = served
     server, second = servers
+    second.wait()
     with VLLMGenerator([server, second]) as generator:
         moved = copy.deepcopy(policy)
         with torch.no_grad():
