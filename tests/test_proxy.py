@@ -56,8 +56,8 @@ class Recorder:
         self.inner, self.calls, self.lock = inner, [], threading.Lock()
         self.max_batch_size = inner.max_batch_size
 
-    def generate(self, prompts, sampling, seeds=None):
-        out = self.inner.generate(prompts, sampling, seeds)
+    def generate(self, prompts, sampling, seeds=None, on_tokens=None):
+        out = self.inner.generate(prompts, sampling, seeds, on_tokens=on_tokens)
         with self.lock:
             self.calls += [(list(p), g) for p, g in zip(prompts, out)]
         return out

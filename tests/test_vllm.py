@@ -145,6 +145,41 @@ def test_stop_ids_end_generation_and_a_seed_repeats_it(served, stop_mode):
     assert largest_difference(model, prompts, generations, 1.0) < LOGPROB_TOLERANCE
 
 
+def test_streamed_generations_equal_plain_ones_and_reach_the_proxys_client(served, server):
+    """With ``on_tokens`` the requests stream: each prompt's ids are told in order as they
+    come, the generations equal the plain requests' for the same seeds, and the proxy in front
+    streams them to an ``openai`` client as it streams the trainer's own generator."""
+    import openai
+
+    from agentrl_fast.harness.proxy import Proxy, ProxyServer
+
+    generator, environment, chat, policy = served
+    generator.update_weights(policy)
+    prompts = prompts_of(environment, chat, count=6)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, stop_ids=chat.stop_ids)
+    heard: dict[int, list[list[int]]] = {i: [] for i in range(len(prompts))}
+    streamed = generator.generate(prompts, sampling, seeds=range(6),
+                                  on_tokens=lambda i, ids: heard[i].append(ids))
+    assert streamed == generator.generate(prompts, sampling, seeds=range(6))
+    assert [sum(heard[i], []) for i in range(6)] == [g.ids for g in streamed]
+    assert sum(len(chunks) > 1 for chunks in heard.values()) >= 4  # events, not one reply
+    proxy = Proxy(generator, chat, sampling, batch_window=0.0)
+    with ProxyServer(proxy) as front:
+        client = openai.OpenAI(base_url=front.base_url(proxy.create_session("vllm")),
+                               api_key="-", max_retries=0)
+        request = dict(model="m", seed=11, messages=[
+            {"role": "system", "content": "You open vaults."},
+            {"role": "user", "content": "Collect the codes of vaults amber, birch."}])
+        plain = client.chat.completions.create(**request).choices[0].message
+        events = list(client.chat.completions.create(stream=True, **request))
+        content = "".join(c.delta.content or "" for e in events for c in e.choices)
+        calls = [t.function.arguments for e in events for c in e.choices
+                 for t in c.delta.tool_calls or []]
+        assert content == (plain.content or "")
+        assert calls == [t.function.arguments for t in plain.tool_calls or []]
+    proxy.close()
+
+
 def test_update_weights_reaches_the_server_and_its_prefix_cache(served):
     generator, environment, chat, policy = served
     generator.update_weights(policy)

@@ -19,6 +19,7 @@ cache is dropped whenever a parameter of the model changes (an optimizer step, a
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 from collections import OrderedDict
@@ -57,9 +58,12 @@ class Generator(Protocol):
     SGLang backend would implement the same calls)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-                 seeds: Sequence[int] | None = None) -> list[Generation]:
+                 seeds: Sequence[int] | None = None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Generation]:
         """Continue each prompt (token ids) until a stop id or ``max_new_tokens``; ``seeds``:
-        one per prompt, for reproducible sampling."""
+        one per prompt, for reproducible sampling; ``on_tokens(prompt index, ids)`` hears each
+        prompt's ids as they are sampled, in order (the proxy streams replies token by token
+        with it; a generator that cannot stream may tell them all at the end)."""
 
     def update_weights(self, model: torch.nn.Module) -> None:
         """Sample from ``model``'s current parameters from the next ``generate`` on."""
@@ -245,7 +249,8 @@ class TorchGenerator:
         self.reset_prefix_cache()
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-                 seeds: Sequence[int] | None = None) -> list[Generation]:
+                 seeds: Sequence[int] | None = None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Generation]:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         embeddings = getattr(self.model, "get_input_embeddings", lambda: None)()
@@ -280,7 +285,10 @@ class TorchGenerator:
         with self._generation_mode():
             for start in range(0, len(prompts), self.max_batch_size):
                 stop = start + self.max_batch_size
-                out += self._generate_batch(prompts[start:stop], sampling, seeds[start:stop])
+                heard = None if on_tokens is None else functools.partial(_shifted, on_tokens,
+                                                                         start)
+                out += self._generate_batch(prompts[start:stop], sampling, seeds[start:stop],
+                                            heard)
         return out
 
     @contextlib.contextmanager
@@ -314,7 +322,8 @@ class TorchGenerator:
 
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams,
-                        seeds: list[int]) -> list[Generation]:
+                        seeds: list[int], on_tokens: Callable[[int, list[int]], None] | None
+                        ) -> list[Generation]:
         from transformers import DynamicCache
 
         device = self.device
@@ -394,6 +403,8 @@ class TorchGenerator:
                 logprobs[row].append(token_logprobs[k])
                 if is_stop[k]:
                     finished[row], reasons[row] = True, "stop"
+                if on_tokens is not None:
+                    on_tokens(row, [token])
             keep = [k for k, row in enumerate(rows) if not finished[row]]
             if not keep or step == sampling.max_new_tokens - 1:
                 keep_rows(list(range(len(rows))))
@@ -425,6 +436,12 @@ class TorchGenerator:
         return [Generation(i, lp, r) for i, lp, r in zip(ids, logprobs, reasons)]
 
 
+def _shifted(on_tokens: Callable[[int, list[int]], None], offset: int, row: int,
+             ids: list[int]) -> None:
+    """``on_tokens`` of a sub-batch: its rows are the prompts from ``offset`` on."""
+    on_tokens(offset + row, ids)
+
+
 class ScriptedGenerator:
     """A :class:`~agentrl_fast.harness.generation.Generator` that runs a text policy
     (``policy(context_text) -> output_text``) through the real engine: it decodes each prompt,
@@ -436,14 +453,17 @@ class ScriptedGenerator:
         self.policy = policy
         self.chat_format = chat_format
 
-    def generate(self, prompts, sampling: SamplingParams, seeds=None) -> list[Generation]:
+    def generate(self, prompts, sampling: SamplingParams, seeds=None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Generation]:
         out = []
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             text = self.policy(self.chat_format.decode(prompt))
             ids = self.chat_format.encode(text)
             if not (ids and ids[-1] in sampling.stop_ids):
                 ids.append(self.chat_format.im_end_id)
             ids = ids[:sampling.max_new_tokens]
             reason = "stop" if ids[-1] in sampling.stop_ids else "length"
+            for token in ids if on_tokens is not None else ():
+                on_tokens(index, [token])
             out.append(Generation(ids, [0.0] * len(ids), reason))
         return out

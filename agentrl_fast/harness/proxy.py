@@ -35,6 +35,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import inspect
 import queue
 import re
 import secrets
@@ -64,29 +66,47 @@ class _Pending:
     sampling: SamplingParams
     seed: int
     future: concurrent.futures.Future
+    on_tokens: Callable[[list[int]], None] | None = None
+
+
+def _streams(generator: Generator) -> bool:
+    """Whether ``generator.generate`` takes ``on_tokens`` (ids as they are sampled)."""
+    try:
+        return "on_tokens" in inspect.signature(generator.generate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _tell(listeners: list, index: int, ids: Sequence[int]) -> None:
+    """A generator's ``on_tokens(index, ids)``, routed to the listener of prompt ``index``."""
+    if listeners[index] is not None:
+        listeners[index](list(ids))
 
 
 class _Batcher:
     """One worker thread: collects requests for ``window`` seconds after the first (at most
     ``max_batch``, and no longer once every open session has one waiting: a session has one
     request in flight at most), then one ``generate`` per group of equal sampling parameters,
-    under ``gate``. Results are ``(Generation, version)``."""
+    under ``gate``. Results are ``(Generation, version)``. A request's ``on_tokens`` hears its
+    ids as they are sampled when the generator streams (:func:`_streams`), else not at all."""
 
     def __init__(self, generator: Generator, window: float, max_batch: int,
                  version: Callable[[], int], open_sessions: Callable[[], int]):
         self.generator, self.window, self.max_batch, self.version = (generator, window,
                                                                       max_batch, version)
         self.open_sessions = open_sessions
+        self.streams = _streams(generator)
         self.gate = threading.Lock()
         self.batch_sizes: Counter = Counter()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="proxy-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], sampling: SamplingParams, seed: int
+    def submit(self, prompt: list[int], sampling: SamplingParams, seed: int,
+               on_tokens: Callable[[list[int]], None] | None = None
                ) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put(_Pending(prompt, sampling, seed, future))
+        self._queue.put(_Pending(prompt, sampling, seed, future, on_tokens))
         return future
 
     def close(self) -> None:
@@ -117,11 +137,15 @@ class _Batcher:
         for pending in batch:
             groups.setdefault(pending.sampling, []).append(pending)
         for sampling, group in groups.items():
+            listeners = [p.on_tokens for p in group]
+            streaming = {}
+            if self.streams and any(listeners):
+                streaming["on_tokens"] = functools.partial(_tell, listeners)
             try:
                 with self.gate:
                     version = self.version()
                     out = self.generator.generate([p.prompt for p in group], sampling,
-                                                  [p.seed for p in group])
+                                                  [p.seed for p in group], **streaming)
                 if len(out) != len(group):
                     raise RuntimeError(f"the generator returned {len(out)} generations for "
                                        f"{len(group)} prompts")
@@ -291,10 +315,14 @@ class Proxy:
         return dataclasses.replace(self.sampling, max_new_tokens=request.max_tokens,
                                    stop_ids=self.sampling.stop_ids + tuple(extra))
 
-    async def complete(self, session_id: str, body: Any) -> tuple[ChatRequest, Reply, dict]:
-        """One ``/chat/completions`` request: ``(request, reply, usage)``; raises
-        :class:`ProxyError` for what the client must fix."""
-        request = parse_request(body, self.sampling)
+    async def complete(self, session_id: str, body: Any,
+                       on_tokens: Callable[[list[int]], None] | None = None
+                       ) -> tuple[ChatRequest, Reply, dict]:
+        """One ``/chat/completions`` request (its JSON ``body``, or the :class:`ChatRequest`
+        parsed from it): ``(request, reply, usage)``; raises :class:`ProxyError` for what the
+        client must fix. ``on_tokens`` (called from the generating thread) hears the sampled
+        ids as they come when the generator streams."""
+        request = body if isinstance(body, ChatRequest) else parse_request(body, self.sampling)
         session = self._acquire(session_id)
         try:
             try:
@@ -303,7 +331,7 @@ class Proxy:
                 raise ProxyError(400, str(error), "messages") from None
             self._check_budget(session, plan, request)
             seed = request.seed if request.seed is not None else session.turn_seed()
-            future = self._batcher.submit(plan.prompt, self._sampling(request), seed)
+            future = self._batcher.submit(plan.prompt, self._sampling(request), seed, on_tokens)
             generation, version = await asyncio.wrap_future(future)
             if generation.finish_reason == "error":
                 raise ProxyError(502, f"the inference backend failed: {generation.error}", None,

@@ -9,6 +9,7 @@ message naming the parameter, and bodies over ``max_body_bytes`` are refused whi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -19,7 +20,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrl_fast.harness.proxy import Proxy
-from agentrl_fast.harness.proxy_session import ChatRequest, ProxyError, Reply
+from agentrl_fast.harness.proxy_session import ChatRequest, ProxyError, Reply, parse_request
+from agentrl_fast.harness.proxy_stream import ContentStream
 
 
 def _error(error: ProxyError) -> JSONResponse:
@@ -73,26 +75,82 @@ def _completion(proxy: Proxy, reply: Reply, usage: dict) -> dict:
             "usage": usage}
 
 
-def _chunks(proxy: Proxy, request: ChatRequest, reply: Reply, usage: dict):
-    """The reply as ``chat.completion.chunk`` events: the role, the content, each call, the
-    finish reason (and the usage when asked); the reply is whole before the first event."""
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": proxy.model_name}
+_RUNNING: set[asyncio.Task] = set()
 
-    def event(delta: dict | None, finish: str | None = None, **extra) -> str:
+
+class _Stream:
+    """One streamed completion: the request runs as a task of its own (a client that hangs up
+    mid-stream loses the rest of the reply, never the session's turn), sampled ids arrive on a
+    queue, and :meth:`events` turns them into ``chat.completion.chunk`` events."""
+
+    def __init__(self, proxy: Proxy, session_id: str, request: ChatRequest):
+        self.proxy, self.request = proxy, request
+        self.content = ContentStream(proxy.chat_format, request.stop, request.parse_calls)
+        self.arrivals: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def push(ids: list[int]) -> None:  # on the generating thread
+            try:
+                loop.call_soon_threadsafe(self.arrivals.put_nowait, ids)
+            except RuntimeError:  # the server's loop is gone
+                pass
+
+        self.task = asyncio.ensure_future(proxy.complete(session_id, request, push))
+        _RUNNING.add(self.task)  # held: the loop keeps only weak references to tasks
+        self.task.add_done_callback(_RUNNING.discard)
+        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": proxy.model_name}
+        self.next_ids: asyncio.Future | None = None
+
+    async def started(self) -> None:
+        """Wait for the first sampled ids or the end; a request that failed before sampling
+        raises here, so its error is a plain HTTP error, not an event."""
+        self.next_ids = asyncio.ensure_future(self.arrivals.get())
+        await asyncio.wait({self.task, self.next_ids}, return_when=asyncio.FIRST_COMPLETED)
+        if self.task.done() and not self.next_ids.done() and self.task.exception():
+            self.next_ids.cancel()
+            self.task.result()
+
+    def event(self, delta: dict | None, finish: str | None = None, **extra) -> str:
         choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
                                              "finish_reason": finish}]
-        return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n"
+        return f"data: {json.dumps({**self.head, 'choices': choices, **extra})}\n\n"
 
-    yield event({"role": "assistant", "content": ""})
-    if reply.content:
-        yield event({"content": reply.content})
-    for k, call in enumerate(reply.tool_calls):
-        yield event({"tool_calls": [{"index": k, **call}]})
-    yield event({}, reply.finish_reason)
-    if request.include_usage:
-        yield event(None, usage=usage)
-    yield "data: [DONE]\n\n"
+    async def events(self):
+        """The role, content as it becomes certain (:class:`ContentStream`), the rest of the
+        content, each call, the finish reason (and the usage when asked)."""
+        try:
+            yield self.event({"role": "assistant", "content": ""})
+            while True:
+                await asyncio.wait({self.task, self.next_ids},
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not self.next_ids.done():
+                    break
+                delta = self.content.feed(self.next_ids.result())
+                self.next_ids = asyncio.ensure_future(self.arrivals.get())
+                if delta:
+                    yield self.event({"content": delta})
+        finally:
+            self.next_ids.cancel()
+        try:
+            _, reply, usage = self.task.result()
+        except ProxyError as error:
+            yield f"data: {json.dumps(error.body())}\n\n"
+            return
+        except Exception as error:  # noqa: BLE001 - the stream ends with an error event
+            failure = ProxyError(500, f"internal error: {type(error).__name__}: "
+                                 f"{str(error)[:200]}")
+            yield f"data: {json.dumps(failure.body())}\n\n"
+            return
+        rest = self.content.finish(reply.content)
+        if rest:
+            yield self.event({"content": rest})
+        for k, call in enumerate(reply.tool_calls):
+            yield self.event({"tool_calls": [{"index": k, **call}]})
+        yield self.event({}, reply.finish_reason)
+        if self.request.include_usage:
+            yield self.event(None, usage=usage)
+        yield "data: [DONE]\n\n"
 
 
 def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
@@ -122,11 +180,13 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
     @app.post("/s/{session_id}/v1/chat/completions")
     async def chat_completions(session_id: str, request: Request):
         async def work():
-            body = await _read_json(request, max_body_bytes)
-            chat_request, reply, usage = await proxy.complete(session_id, body)
+            chat_request = parse_request(await _read_json(request, max_body_bytes),
+                                         proxy.sampling)
             if chat_request.stream:
-                return StreamingResponse(_chunks(proxy, chat_request, reply, usage),
-                                         media_type="text/event-stream")
+                stream = _Stream(proxy, session_id, chat_request)
+                await stream.started()
+                return StreamingResponse(stream.events(), media_type="text/event-stream")
+            _, reply, usage = await proxy.complete(session_id, chat_request)
             return JSONResponse(_completion(proxy, reply, usage))
         return await guarded(work)
 

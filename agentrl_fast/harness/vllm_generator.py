@@ -23,6 +23,8 @@ to shared memory (``/dev/shm``) and every server reloads it in place through the
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import os
 import shutil
 import subprocess
@@ -30,7 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from agentrl_fast.config.sampling import SamplingParams
 from agentrl_fast.harness.generation import Generation
@@ -62,6 +64,16 @@ class _Endpoint:
                 return ServerError(f"{self.server.name} exited with code {code} ({detail}); "
                                    f"log tail:\n{log_tail(self.server.log_path)}")
         return ServerError(f"vLLM server {self.base_url} stopped answering: {detail}")
+
+
+def _refusal(endpoint: _Endpoint, request: str, response) -> Exception:
+    """The error for an HTTP error ``response``: a 4xx is the request's fault (ValueError), a
+    5xx the server's (:class:`ServerError`)."""
+    detail = response.text[:500]
+    if response.status_code < 500:
+        return ValueError(f"vLLM server {endpoint.base_url} refused {request} "
+                          f"({response.status_code}): {detail}")
+    return endpoint.dead_error(f"{request} answered {response.status_code}: {detail}")
 
 
 def _shm_root() -> str:
@@ -161,12 +173,7 @@ class VLLMGenerator:
                     raise endpoint.dead_error(f"{type(error).__name__}: {error}") from None
                 await asyncio.sleep(0.25 * (attempt + 1))
         if response.status_code >= 400:
-            detail = response.text[:500]
-            if response.status_code < 500:
-                raise ValueError(f"vLLM server {endpoint.base_url} refused {method} {path} "
-                                 f"({response.status_code}): {detail}")
-            raise endpoint.dead_error(f"{method} {path} answered {response.status_code}: "
-                                      f"{detail}")
+            raise _refusal(endpoint, f"{method} {path}", response)
         return response.json() if response.content else None
 
     async def _connect(self, deadline_seconds: float) -> str:
@@ -197,7 +204,10 @@ class VLLMGenerator:
     # -- generation -------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-                 seeds: Sequence[int] | None = None) -> list[Generation]:
+                 seeds: Sequence[int] | None = None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Generation]:
+        """As the protocol says; with ``on_tokens`` the requests stream (server-sent events),
+        and a request that timed out after some ids were told is not retried: it fails."""
         if sampling.top_k or sampling.top_p < 1.0:
             raise ValueError(f"sampling: top_k={sampling.top_k}, top_p={sampling.top_p} with the "
                              "vLLM backend: its log-probs would be renormalized over the kept "
@@ -209,16 +219,17 @@ class VLLMGenerator:
         if not prompts:
             return []
         return self._call(self._generate_all([list(map(int, p)) for p in prompts], sampling,
-                                             seeds))
+                                             seeds, on_tokens))
 
     async def _generate_all(self, prompts: list[list[int]], sampling: SamplingParams,
-                            seeds) -> list[Generation]:
+                            seeds, on_tokens) -> list[Generation]:
         gate = asyncio.Semaphore(self.max_concurrency)
 
         async def one(i: int) -> Generation:
             async with gate:
-                return await self._generate_one(prompts[i], sampling,
-                                                None if seeds is None else int(seeds[i]))
+                return await self._generate_one(
+                    prompts[i], sampling, None if seeds is None else int(seeds[i]),
+                    None if on_tokens is None else functools.partial(on_tokens, i))
         tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
         try:
             return await asyncio.gather(*tasks)
@@ -239,20 +250,25 @@ class VLLMGenerator:
         return body
 
     async def _generate_one(self, prompt: list[int], sampling: SamplingParams,
-                            seed: int | None) -> Generation:
+                            seed: int | None, on_ids: Callable[[list[int]], None] | None
+                            ) -> Generation:
         import httpx
 
         body = self._body(prompt, sampling, seed)
+        told: list[int] = []
         for attempt in range(self.retries + 1):
             endpoint = min(self.endpoints, key=lambda e: e.outstanding)
             endpoint.outstanding += 1
             endpoint.requests += 1
             self.stats["requests"] += 1
             try:
-                reply = await self._request(endpoint, "POST", "/v1/completions", body)
+                if on_ids is None:
+                    reply = await self._request(endpoint, "POST", "/v1/completions", body)
+                else:
+                    reply = await self._stream(endpoint, body, on_ids, told)
                 return _generation(reply, stop_ids=set(sampling.stop_ids))
             except httpx.TimeoutException as error:
-                if attempt < self.retries:
+                if attempt < self.retries and not told:
                     self.stats["retries"] += 1
                     continue
                 self.stats["failed"] += 1
@@ -262,6 +278,40 @@ class VLLMGenerator:
             finally:
                 endpoint.outstanding -= 1
         raise AssertionError("unreachable")
+
+    async def _stream(self, endpoint: _Endpoint, body: dict,
+                      on_ids: Callable[[list[int]], None], told: list[int]) -> dict:
+        """``/v1/completions`` as server-sent events: each event's ids go to ``on_ids`` (and
+        onto ``told``) as it arrives; returns the reply a plain request would have."""
+        import httpx
+
+        ids, logprobs, finish = [], [], None
+        try:
+            async with self._client.stream("POST", endpoint.base_url + "/v1/completions",
+                                           json={**body, "stream": True}) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise _refusal(endpoint, "POST /v1/completions", response)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    if "error" in event:  # the server failed mid-stream
+                        raise endpoint.dead_error(f"POST /v1/completions: {event['error']}")
+                    choice = event["choices"][0]
+                    new = [int(i) for i in choice["token_ids"]]
+                    ids += new
+                    logprobs += choice["logprobs"]["token_logprobs"]
+                    finish = choice["finish_reason"] or finish
+                    if new:
+                        told += new
+                        on_ids(new)
+        except httpx.TimeoutException:  # a TransportError too: the caller's to retry or not
+            raise
+        except httpx.TransportError as error:
+            raise endpoint.dead_error(f"{type(error).__name__}: {error}") from None
+        return {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": logprobs},
+                             "finish_reason": finish}]}
 
     # -- weights ----------------------------------------------------------------------------
 

@@ -1,0 +1,74 @@
+"""Token-by-token streaming for the proxy: the content a client may see while a reply is still
+being sampled.
+
+The reply's final form (:func:`~agentrl_fast.harness.proxy_session.make_reply`) is known only
+once the last id is in: a ``stop`` string cuts the text where it starts, valid ``<tool_call>``
+blocks leave the content and the rest is stripped. :class:`ContentStream` therefore sends a
+prefix of the text only while it is certain to begin the final content, and
+:meth:`ContentStream.finish` sends the rest. Held back: the last id's text (a multi-byte
+character or a merge may still change it), anything from the first ``<tool_call>`` (or a
+partial one) on, anything from where a stop string starts (or may start), trailing whitespace,
+and all of a text that starts with whitespace (stripped or not, depending on what follows).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from agentrl_fast.harness.chat_format import ChatFormat
+from agentrl_fast.harness.tool_calls import TOOL_CALL_OPEN
+
+__all__ = ["ContentStream"]
+
+
+def _held_from(text: str, marker: str) -> int:
+    """Where ``marker`` starts in ``text``, or where a suffix of ``text`` that begins it does;
+    ``len(text)`` if neither."""
+    found = text.find(marker)
+    if found >= 0:
+        return found
+    for start in range(max(len(text) - len(marker) + 1, 0), len(text)):
+        if marker.startswith(text[start:]):
+            return start
+    return len(text)
+
+
+class ContentStream:
+    """The content deltas of one reply as its ids arrive: :meth:`feed` new ids, get the text to
+    send now; :meth:`finish` with the final reply's content gets the rest. The deltas always
+    add up to the final content."""
+
+    def __init__(self, chat_format: ChatFormat, stop: Sequence[str] = (),
+                 parse_calls: bool = True):
+        self.chat_format = chat_format
+        self.markers = [*stop, *([TOOL_CALL_OPEN] if parse_calls else [])]
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def feed(self, ids: Sequence[int]) -> str:
+        """Take newly sampled ``ids``; return the content that became certain (maybe "")."""
+        self.ids.extend(ids)
+        if len(self.ids) < 2:
+            return ""
+        safe = self.chat_format.decode(self.ids[:-1])
+        if not self.chat_format.decode(self.ids).startswith(safe):
+            return ""  # the last id changed what comes before it: wait for more
+        if not safe or safe[0].isspace():
+            return ""
+        end = min([len(safe)] + [_held_from(safe, m) for m in self.markers])
+        safe = safe[:end]
+        while safe and (safe[-1].isspace() or safe[-1] == "\ufffd"):  # stripped, or unfinished
+            safe = safe[:-1]
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+    def finish(self, content: str | None) -> str:
+        """The rest of the final ``content`` (the reply's), after what was sent."""
+        content = content or ""
+        if not content.startswith(self.sent):  # a bug here would corrupt every streamed reply
+            raise RuntimeError(f"streamed content {self.sent!r} does not begin the reply's "
+                               f"content {content[:200]!r}")
+        rest, self.sent = content[len(self.sent):], content
+        return rest
