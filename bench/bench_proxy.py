@@ -7,7 +7,9 @@ HTTP, JSON, request checks, tokenizing the new messages, the session's bookkeepi
 ``torch`` (the tiny Qwen3 on the CPU, ``--max-tokens`` new tokens a request: the share of a
 real turn the proxy adds). Sequential: one client, one turn after another in one session
 (each request extends it). Concurrent: ``--clients`` threads, one session each, whose requests
-the proxy batches; direct: the same turns as batched ``generate`` calls.
+the proxy batches; direct: the same turns as batched ``generate`` calls. ``proxy-stream``: the
+same requests streamed (``stream=True``), with the time to the first event (sent once the first
+token is sampled) and to the first content.
 
     python bench/bench_proxy.py --out bench/results/proxy.md
 """
@@ -39,27 +41,53 @@ def conversation(task: str) -> list[dict]:
             {"role": "user", "content": task}]
 
 
-def session_turns(client: openai.OpenAI, task: str, turns: int, max_tokens: int) -> list[float]:
-    """Seconds of each request of one session (each extends the last)."""
+def streamed_reply(client: openai.OpenAI, request: dict, start: float
+                   ) -> tuple[dict, float, float]:
+    """``(message, seconds to the first event, to the first content)`` of a streamed request
+    (the first content's time is the whole request's when no content came early)."""
+    content, calls, first_event, first_content = "", {}, None, None
+    for chunk in client.chat.completions.create(stream=True, **request):
+        first_event = first_event or time.perf_counter() - start
+        for choice in chunk.choices:
+            if choice.delta.content:
+                first_content = first_content or time.perf_counter() - start
+                content += choice.delta.content
+            for call in choice.delta.tool_calls or []:
+                calls[call.index] = call.model_dump(exclude_none=True, exclude={"index"})
+    message = {"role": "assistant", "content": content or None}
+    if calls:
+        message["tool_calls"] = [calls[k] for k in sorted(calls)]
+    return message, first_event, first_content or time.perf_counter() - start
+
+
+def session_turns(client: openai.OpenAI, task: str, turns: int, max_tokens: int,
+                  stream: bool = False) -> list[tuple[float, ...]]:
+    """``(seconds, and when streamed: to the first event, to the first content)`` of each
+    request of one session (each extends the last)."""
     messages, times = conversation(task), []
     for turn in range(turns):
+        request = dict(model="p", messages=messages, tools=TOOLS, max_tokens=max_tokens,
+                       seed=turn)
         start = time.perf_counter()
-        reply = client.chat.completions.create(model="p", messages=messages, tools=TOOLS,
-                                               max_tokens=max_tokens, seed=turn)
-        times.append(time.perf_counter() - start)
-        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        if stream:
+            message, *firsts = streamed_reply(client, request, start)
+        else:
+            reply = client.chat.completions.create(**request)
+            message, firsts = reply.choices[0].message.model_dump(exclude_none=True), []
+        times.append((time.perf_counter() - start, *firsts))
+        messages.append(message)
         messages.append({"role": "user", "content": f"Go on ({turn})."})
     return times
 
 
-def through_proxy(server: ProxyServer, tasks: list[str], turns: int, max_tokens: int
-                  ) -> list[float]:
-    """Each session on a thread of its own; every request's seconds."""
-    def run(task: str) -> list[float]:
+def through_proxy(server: ProxyServer, tasks: list[str], turns: int, max_tokens: int,
+                  stream: bool = False) -> list[tuple[float, ...]]:
+    """Each session on a thread of its own; every request's seconds (:func:`session_turns`)."""
+    def run(task: str) -> list[tuple[float, ...]]:
         session = server.proxy.create_session()
         client = openai.OpenAI(base_url=server.base_url(session), api_key="-", max_retries=0)
         try:
-            return session_turns(client, task, turns, max_tokens)
+            return session_turns(client, task, turns, max_tokens, stream)
         finally:
             server.proxy.finish(session)
     with ThreadPoolExecutor(len(tasks)) as pool:
@@ -67,7 +95,7 @@ def through_proxy(server: ProxyServer, tasks: list[str], turns: int, max_tokens:
 
 
 def direct(generator, chat: ChatFormat, tasks: list[str], turns: int, max_tokens: int
-           ) -> list[float]:
+           ) -> list[tuple[float]]:
     """The same turns as batched generate calls (all sessions' turn k in one call), the
     prompts grown by the same messages; each call's seconds, once per request in it."""
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_tokens,
@@ -77,17 +105,21 @@ def direct(generator, chat: ChatFormat, tasks: list[str], turns: int, max_tokens
     for turn in range(turns):
         start = time.perf_counter()
         out = generator.generate(prompts, sampling, [turn] * len(prompts))
-        times += [time.perf_counter() - start] * len(prompts)
+        times += [(time.perf_counter() - start,)] * len(prompts)
         prompts = [p + g.ids + chat.turn_end_ids(g.ids) + chat.user_ids(f"Go on ({turn}).")
                    + chat.generation_prompt_ids() for p, g in zip(prompts, out)]
     return times
 
 
-def summary(times: list[float], wall: float) -> dict:
-    ordered = sorted(times)
-    return {"requests": len(times), "p50_ms": 1000 * statistics.median(ordered),
-            "p95_ms": 1000 * ordered[int(0.95 * (len(ordered) - 1))],
-            "requests_per_s": len(times) / wall}
+def summary(times: list[tuple[float, ...]], wall: float) -> dict:
+    ordered = sorted(t[0] for t in times)
+    row = {"requests": len(times), "p50_ms": 1000 * statistics.median(ordered),
+           "p95_ms": 1000 * ordered[int(0.95 * (len(ordered) - 1))],
+           "requests_per_s": len(times) / wall}
+    if len(times[0]) == 3:
+        row["first_event_p50_ms"] = 1000 * statistics.median(t[1] for t in times)
+        row["first_content_p50_ms"] = 1000 * statistics.median(t[2] for t in times)
+    return row
 
 
 def measure(name: str, generator, chat: ChatFormat, args) -> list[dict]:
@@ -98,10 +130,11 @@ def measure(name: str, generator, chat: ChatFormat, args) -> list[dict]:
     with ProxyServer(proxy) as server:
         through_proxy(server, tasks[:1], 2, args.max_tokens)  # warm-up
         for clients in (1, args.clients):
-            for how in ("direct", "proxy"):
+            for how in ("direct", "proxy", "proxy-stream"):
                 start = time.perf_counter()
-                if how == "proxy":
-                    times = through_proxy(server, tasks[:clients], args.turns, args.max_tokens)
+                if how != "direct":
+                    times = through_proxy(server, tasks[:clients], args.turns, args.max_tokens,
+                                          stream=how == "proxy-stream")
                 else:
                     times = direct(generator, chat, tasks[:clients], args.turns, args.max_tokens)
                 rows.append({"generator": name, "clients": clients, "path": how,
@@ -112,11 +145,15 @@ def measure(name: str, generator, chat: ChatFormat, args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| generator | clients | path | requests | p50 ms | p95 ms | requests/s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| generator | clients | path | requests | p50 ms | p95 ms | requests/s | "
+             "first event p50 ms | first content p50 ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        firsts = " | ".join(f"{r[k]:.2f}" if k in r else "" for k in
+                            ("first_event_p50_ms", "first_content_p50_ms"))
         lines.append(f"| {r['generator']} | {r['clients']} | {r['path']} | {r['requests']} | "
-                     f"{r['p50_ms']:.2f} | {r['p95_ms']:.2f} | {r['requests_per_s']:.1f} |")
+                     f"{r['p50_ms']:.2f} | {r['p95_ms']:.2f} | {r['requests_per_s']:.1f} | "
+                     f"{firsts} |")
     return "\n".join(lines)
 
 

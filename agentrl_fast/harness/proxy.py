@@ -10,7 +10,7 @@
         trainer.train_on([trajectory, ...])
 
 Endpoints (:mod:`~agentrl_fast.harness.proxy_http`): ``POST /s/{session}/v1/chat/completions``
-(streaming or not), ``GET /s/{session}/v1/models``, ``POST /sessions``, ``POST
+(whole, or streamed token by token: :mod:`~agentrl_fast.harness.proxy_stream`), ``GET /s/{session}/v1/models``, ``POST /sessions``, ``POST
 /sessions/{id}/finish``. A session is one rollout: how requests extend it or start a new
 sub-trace is :mod:`~agentrl_fast.harness.proxy_session`'s doc. Sampling stays the run's: a
 request may restate ``temperature``/``top_p``, not change them; ``max_tokens`` is capped by the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from typing import Any
@@ -80,35 +81,47 @@ _RUNNING: set[asyncio.Task] = set()
 
 class _Stream:
     """One streamed completion: the request runs as a task of its own (a client that hangs up
-    mid-stream loses the rest of the reply, never the session's turn), sampled ids arrive on a
-    queue, and :meth:`events` turns them into ``chat.completion.chunk`` events."""
+    mid-stream loses the rest of the reply, never the session's turn), the generating thread
+    leaves sampled ids in ``_pending`` (waking the loop once per batch of them, not per id), and
+    :meth:`events` turns them into ``chat.completion.chunk`` events."""
 
     def __init__(self, proxy: Proxy, session_id: str, request: ChatRequest):
         self.proxy, self.request = proxy, request
         self.content = ContentStream(proxy.chat_format, request.stop, request.parse_calls)
-        self.arrivals: asyncio.Queue = asyncio.Queue()
+        self._pending: list[int] = []
+        self._lock = threading.Lock()
+        self._arrived = asyncio.Event()  # set: ids are pending, or the request is over
         loop = asyncio.get_running_loop()
 
         def push(ids: list[int]) -> None:  # on the generating thread
-            try:
-                loop.call_soon_threadsafe(self.arrivals.put_nowait, ids)
-            except RuntimeError:  # the server's loop is gone
-                pass
+            with self._lock:
+                wake = not self._pending
+                self._pending += ids
+            if wake:
+                try:
+                    loop.call_soon_threadsafe(self._arrived.set)
+                except RuntimeError:  # the server's loop is gone
+                    pass
 
         self.task = asyncio.ensure_future(proxy.complete(session_id, request, push))
         _RUNNING.add(self.task)  # held: the loop keeps only weak references to tasks
         self.task.add_done_callback(_RUNNING.discard)
+        self.task.add_done_callback(lambda _: self._arrived.set())
         self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                      "created": int(time.time()), "model": proxy.model_name}
-        self.next_ids: asyncio.Future | None = None
+
+    def _take(self) -> list[int]:
+        """The pending ids (the loop's side; a later push sets ``_arrived`` again)."""
+        with self._lock:
+            ids, self._pending = self._pending, []
+        self._arrived.clear()
+        return ids
 
     async def started(self) -> None:
         """Wait for the first sampled ids or the end; a request that failed before sampling
         raises here, so its error is a plain HTTP error, not an event."""
-        self.next_ids = asyncio.ensure_future(self.arrivals.get())
-        await asyncio.wait({self.task, self.next_ids}, return_when=asyncio.FIRST_COMPLETED)
-        if self.task.done() and not self.next_ids.done() and self.task.exception():
-            self.next_ids.cancel()
+        await self._arrived.wait()
+        if self.task.done() and not self._pending and self.task.exception():
             self.task.result()
 
     def event(self, delta: dict | None, finish: str | None = None, **extra) -> str:
@@ -119,19 +132,15 @@ class _Stream:
     async def events(self):
         """The role, content as it becomes certain (:class:`ContentStream`), the rest of the
         content, each call, the finish reason (and the usage when asked)."""
-        try:
-            yield self.event({"role": "assistant", "content": ""})
-            while True:
-                await asyncio.wait({self.task, self.next_ids},
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if not self.next_ids.done():
-                    break
-                delta = self.content.feed(self.next_ids.result())
-                self.next_ids = asyncio.ensure_future(self.arrivals.get())
-                if delta:
-                    yield self.event({"content": delta})
-        finally:
-            self.next_ids.cancel()
+        yield self.event({"role": "assistant", "content": ""})
+        while True:
+            over = self.task.done()  # ids told before the end are in by now
+            delta = self.content.feed(self._take())
+            if delta:  # on a failure too: what was certain before it
+                yield self.event({"content": delta})
+            if over:
+                break
+            await self._arrived.wait()
         try:
             _, reply, usage = self.task.result()
         except ProxyError as error:

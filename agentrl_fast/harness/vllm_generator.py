@@ -13,7 +13,9 @@ Many requests are in flight at once (async HTTP on one event loop thread, at mos
 that times out is retried ``retries`` times, then its sequence fails (``finish_reason "error"``:
 the rollout engine ends that episode and the trainer leaves it out). A server that stops
 answering (connection refused, or its :class:`~agentrl_fast.harness.vllm_server.VLLMServer`
-exited) raises :class:`~agentrl_fast.harness.vllm_server.ServerError`.
+exited) raises :class:`~agentrl_fast.harness.vllm_server.ServerError`. With ``on_tokens`` (the
+proxy streaming a reply) requests stream as server-sent events, each event's ids told as it
+comes; such a request is retried only if it timed out before its first ids.
 
 Weights (:meth:`VLLMGenerator.update_weights`): the model's state dict is written as safetensors
 to shared memory (``/dev/shm``) and every server reloads it in place through the dev-mode
