@@ -8,6 +8,7 @@ on this VM: cgroup v1 ``memory`` and ``pids``); elsewhere they skip, naming why.
 
 import json
 import os
+import subprocess
 import sys
 import uuid
 
@@ -167,3 +168,32 @@ def test_bad_cpus_are_named():
         run("print(1)", isolation="none", cpus=1, cgroup="off")
     with pytest.raises(TypeError, match="cpus must be a number"):
         run("print(1)", isolation="none", cpus="1")
+
+
+def test_the_groups_of_a_killed_trainer_are_swept():
+    """A trainer SIGKILLed mid-call cannot remove its call's groups; the next trainer to use
+    control groups kills what is left in them and removes them, and leaves live trainers'
+    groups alone."""
+    tag = uuid.uuid4().hex
+    marker = f"orphan-{tag}"  # in the call's command line, not in the trainer's
+    trainer = subprocess.Popen([sys.executable, "-c", (
+        "from agentrl_fast.harness.sandbox import base_python, run_sandboxed_sync\n"
+        "run_sandboxed_sync([base_python(), '-c', 'import time; time.sleep(60)', "
+        f"'orphan-' + {tag!r}], isolation='none', cgroup='required', timeout=60)")])
+    try:
+        assert wait_until(lambda: processes_with(marker), seconds=20)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    hierarchy = cgroups.find_hierarchy()  # not hierarchy(): its first call sweeps
+    prefix = f"agentrl_fast-{trainer.pid}-"
+    left = lambda: [p for d in {hierarchy.memory, hierarchy.pids} for p in d.iterdir()  # noqa: E731
+                    if p.name.startswith(prefix)]
+    assert left(), "the killed trainer's groups should still be there"
+    live = cgroups.CallGroup.create(hierarchy, 64 << 20, 8)  # this (live) trainer's group
+    try:
+        assert cgroups.sweep_orphans(hierarchy) >= 1
+        assert left() == [] and all(d.exists() for d in live.dirs)
+        assert wait_until(lambda: not processes_with(marker), seconds=5)
+    finally:
+        live.remove()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -209,6 +210,39 @@ class CallGroup:
         return removed
 
 
+_GROUP_NAME = re.compile(r"agentrl_fast-(\d+)-\d+")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sweep_orphans(hierarchy: Hierarchy) -> int:
+    """Kill the processes of, and remove, the calls' groups whose trainer is gone (a SIGKILLed
+    trainer cannot clean up; what its calls left running would run on); the number removed.
+    Groups of live trainers, this one included, are left alone."""
+    removed = 0
+    parents = dict.fromkeys(d for d in (hierarchy.memory, hierarchy.pids, hierarchy.cpu) if d)
+    names = set()
+    for parent in parents:
+        try:
+            names |= {p.name for p in parent.iterdir() if _GROUP_NAME.fullmatch(p.name)}
+        except OSError:
+            continue
+    for name in sorted(names):
+        if not _alive(int(_GROUP_NAME.fullmatch(name).group(1))):
+            group = CallGroup(hierarchy, name, with_cpu=True)
+            group.kill()
+            removed += group.remove()
+    return removed
+
+
 def _write(path: Path, value) -> None:
     with open(path, "w") as f:
         f.write(str(value))
@@ -259,4 +293,6 @@ def hierarchy() -> Hierarchy | None:
     if found is not None and found.version == 2:
         enabled = (found.memory / "cgroup.subtree_control").read_text().split()
         found = found if "cpu" in enabled else Hierarchy(2, found.memory, found.pids, None)
+    if found is not None:
+        sweep_orphans(found)
     return found
