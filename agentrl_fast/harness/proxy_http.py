@@ -1,5 +1,6 @@
 """The proxy's HTTP surface (FastAPI on uvicorn, the ``serve`` extra): OpenAI's
-``/chat/completions`` (JSON or server-sent events) and ``/models`` under ``/s/{session}/v1``,
+``/chat/completions`` and ``/responses`` (JSON or server-sent events, token by token) and
+``/models`` under ``/s/{session}/v1``,
 and the session endpoints. Every error is an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}``; no request can stop the server.
 
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrl_fast.harness.proxy import Proxy
 from agentrl_fast.harness.proxy_session import ChatRequest, ProxyError, Reply, parse_request
+from agentrl_fast.harness.proxy_responses import chat_body, response_events, response_of
 from agentrl_fast.harness.proxy_stream import ContentStream
 
 
@@ -83,7 +85,7 @@ class _Stream:
     """One streamed completion: the request runs as a task of its own (a client that hangs up
     mid-stream loses the rest of the reply, never the session's turn), the generating thread
     leaves sampled ids in ``_pending`` (waking the loop once per batch of them, not per id), and
-    :meth:`events` turns them into ``chat.completion.chunk`` events."""
+    :meth:`parts` turns them into content deltas and the reply (each API formats its events)."""
 
     def __init__(self, proxy: Proxy, session_id: str, request: ChatRequest):
         self.proxy, self.request = proxy, request
@@ -107,8 +109,6 @@ class _Stream:
         _RUNNING.add(self.task)  # held: the loop keeps only weak references to tasks
         self.task.add_done_callback(_RUNNING.discard)
         self.task.add_done_callback(lambda _: self._arrived.set())
-        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                     "created": int(time.time()), "model": proxy.model_name}
 
     def _take(self) -> list[int]:
         """The pending ids (the loop's side; a later push sets ``_arrived`` again)."""
@@ -124,42 +124,56 @@ class _Stream:
         if self.task.done() and not self._pending and self.task.exception():
             self.task.result()
 
-    def event(self, delta: dict | None, finish: str | None = None, **extra) -> str:
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
-                                             "finish_reason": finish}]
-        return f"data: {json.dumps({**self.head, 'choices': choices, **extra})}\n\n"
-
-    async def events(self):
-        """The role, content as it becomes certain (:class:`ContentStream`), the rest of the
-        content, each call, the finish reason (and the usage when asked)."""
-        yield self.event({"role": "assistant", "content": ""})
+    async def parts(self):
+        """``("content", delta)`` as content becomes certain (:class:`ContentStream`), then
+        ``("reply", (reply, usage, rest of the content))`` or ``("error", ProxyError)``."""
         while True:
             over = self.task.done()  # ids told before the end are in by now
             delta = self.content.feed(self._take())
             if delta:  # on a failure too: what was certain before it
-                yield self.event({"content": delta})
+                yield "content", delta
             if over:
                 break
             await self._arrived.wait()
         try:
             _, reply, usage = self.task.result()
         except ProxyError as error:
-            yield f"data: {json.dumps(error.body())}\n\n"
+            yield "error", error
             return
         except Exception as error:  # noqa: BLE001 - the stream ends with an error event
-            failure = ProxyError(500, f"internal error: {type(error).__name__}: "
-                                 f"{str(error)[:200]}")
-            yield f"data: {json.dumps(failure.body())}\n\n"
+            yield "error", ProxyError(500, f"internal error: {type(error).__name__}: "
+                                      f"{str(error)[:200]}")
             return
-        rest = self.content.finish(reply.content)
-        if rest:
-            yield self.event({"content": rest})
-        for k, call in enumerate(reply.tool_calls):
-            yield self.event({"tool_calls": [{"index": k, **call}]})
-        yield self.event({}, reply.finish_reason)
-        if self.request.include_usage:
-            yield self.event(None, usage=usage)
-        yield "data: [DONE]\n\n"
+        yield "reply", (reply, usage, self.content.finish(reply.content))
+
+
+async def _chat_events(stream: _Stream):
+    """``chat.completion.chunk`` events: the role, the content as it comes, the rest of it,
+    each call, the finish reason (and the usage when asked)."""
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": stream.proxy.model_name}
+
+    def event(delta: dict | None, finish: str | None = None, **extra) -> str:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                             "finish_reason": finish}]
+        return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n"
+
+    yield event({"role": "assistant", "content": ""})
+    async for kind, value in stream.parts():
+        if kind == "content":
+            yield event({"content": value})
+        elif kind == "error":
+            yield f"data: {json.dumps(value.body())}\n\n"
+        else:
+            reply, usage, rest = value
+            if rest:
+                yield event({"content": rest})
+            for k, call in enumerate(reply.tool_calls):
+                yield event({"tool_calls": [{"index": k, **call}]})
+            yield event({}, reply.finish_reason)
+            if stream.request.include_usage:
+                yield event(None, usage=usage)
+            yield "data: [DONE]\n\n"
 
 
 def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
@@ -194,9 +208,24 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
             if chat_request.stream:
                 stream = _Stream(proxy, session_id, chat_request)
                 await stream.started()
-                return StreamingResponse(stream.events(), media_type="text/event-stream")
+                return StreamingResponse(_chat_events(stream), media_type="text/event-stream")
             _, reply, usage = await proxy.complete(session_id, chat_request)
             return JSONResponse(_completion(proxy, reply, usage))
+        return await guarded(work)
+
+    @app.post("/s/{session_id}/v1/responses")
+    async def responses(session_id: str, request: Request):
+        async def work():
+            body = await _read_json(request, max_body_bytes)
+            chat_request = parse_request(chat_body(body), proxy.sampling)
+            if chat_request.stream:
+                stream = _Stream(proxy, session_id, chat_request)
+                await stream.started()
+                return StreamingResponse(
+                    response_events(stream.parts(), chat_request, body, proxy.model_name),
+                    media_type="text/event-stream")
+            _, reply, usage = await proxy.complete(session_id, chat_request)
+            return JSONResponse(response_of(reply, usage, chat_request, body, proxy.model_name))
         return await guarded(work)
 
     @app.get("/s/{session_id}/v1/models")

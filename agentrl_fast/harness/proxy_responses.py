@@ -1,0 +1,231 @@
+"""OpenAI's Responses API on the proxy (``POST /s/{session}/v1/responses``): the request is
+translated into the chat form the sessions hold (input items into messages), and the reply back
+into output items, so a harness on the Responses API (the OpenAI Agents SDK's default model,
+for one) extends its session token for token exactly as a chat-completions harness does.
+
+Input items: ``message`` (roles user, system, developer, assistant; text parts
+``input_text``/``output_text``), ``function_call`` (joins the assistant message before it, as
+its tool calls) and ``function_call_output`` (a tool message); ``instructions`` becomes the
+first system message. Tools: ``{"type": "function", "name", "description", "parameters"}``.
+The proxy keeps no responses: ``previous_response_id`` and ``conversation`` are refused (send
+the whole input, ``store: false``), as are hosted tools, non-text inputs and options that would
+change the run's sampling. Output: a ``message`` item for the content, a ``function_call`` item
+per call (``call_id``: the proxy's call id); a reply cut by ``max_output_tokens`` is
+``incomplete``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from agentrl_fast.harness.proxy_session import ChatRequest, ProxyError, Reply
+
+__all__ = ["chat_body", "response_events", "response_of"]
+
+_IGNORED = ("model", "store", "metadata", "parallel_tool_calls", "truncation", "include", "user",
+            "prompt_cache_key", "safety_identifier", "service_tier", "max_tool_calls",
+            "top_logprobs", "stream_options")
+
+
+def _bad(message: str, param: str | None) -> ProxyError:
+    return ProxyError(400, message, param)
+
+
+def _text(content: Any, param: str) -> str:
+    """A message item's content: a string or text parts (``input_text``/``output_text``)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{param} must be a string or a list of text parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text")
+                and isinstance(part.get("text"), str)):
+            raise _bad(f"{param}[{j}] must be a text part {{\"type\": \"input_text\", \"text\": "
+                       f"...}}; the proxy serves a text model", f"{param}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(items: Any) -> list[dict]:
+    """Chat messages of the ``input`` items (a string is one user message)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise _bad("input must be a string or a non-empty list of items", "input")
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and isinstance(item.get("role"), str):
+            messages.append({"role": item["role"],
+                             "content": _text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": None})
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": _text(output, f"{where}.output")})
+        else:
+            raise _bad(f"{where} must be a message, function_call or function_call_output "
+                       f"item, got type {kind!r}", where)
+    return messages
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools must be a list", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not (isinstance(tool, dict) and tool.get("type") == "function"
+                and isinstance(tool.get("name"), str)):
+            raise _bad(f"tools[{i}] must be a function tool {{\"type\": \"function\", \"name\": "
+                       f"..., \"parameters\": {{...}}}}; the proxy runs no hosted tools",
+                       f"tools[{i}]")
+        function = {"name": tool["name"], "parameters": tool.get("parameters") or {}}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_body(body: Any) -> dict:
+    """The ``/chat/completions`` body of a ``/responses`` body; :class:`ProxyError` (400)
+    naming the parameter for what the proxy cannot serve."""
+    if not isinstance(body, dict):
+        raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
+    for name in ("previous_response_id", "conversation", "prompt"):
+        if body.get(name) is not None:
+            raise _bad(f"{name} is not supported: the proxy keeps no responses; send the whole "
+                       "input each time (store: false)", name)
+    if body.get("background"):
+        raise _bad("background must be false or omitted", "background")
+    if body.get("reasoning") not in (None, {}):
+        raise _bad("reasoning must be omitted: the run's model and sampling decide", "reasoning")
+    text = body.get("text")
+    if text not in (None, {}) and (not isinstance(text, dict)
+                                   or text.get("format") not in (None, {"type": "text"})):
+        raise _bad("text.format must be {\"type\": \"text\"} or omitted: the proxy does not "
+                   "constrain decoding", "text.format")
+    known = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature",
+             "top_p", "stream", "previous_response_id", "conversation", "prompt", "background",
+             "reasoning", "text", *_IGNORED}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise _bad(f"unknown field {unknown[0]!r}", unknown[0])
+    messages = _messages(body.get("input"))
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _bad("instructions must be a string", "instructions")
+        messages.insert(0, {"role": "system", "content": instructions})
+    chat = {"messages": messages, "tools": _tools(body.get("tools")),
+            "max_tokens": body.get("max_output_tokens"), "stream": body.get("stream", False)}
+    for name in ("tool_choice", "temperature", "top_p"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    return chat
+
+
+def response_of(reply: Reply, usage: dict, request: ChatRequest, body: dict, model: str,
+                message_id: str | None = None) -> dict:
+    """The ``response`` object of a completed turn (its message item's id ``message_id``)."""
+    output: list[dict] = []
+    if reply.content:
+        output.append({"type": "message", "id": message_id or f"msg_{uuid.uuid4().hex}",
+                       "status": "completed",
+                       "role": "assistant", "content": [
+                           {"type": "output_text", "text": reply.content, "annotations": []}]})
+    for call in reply.tool_calls:
+        output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
+                       "call_id": call["id"], "name": call["function"]["name"],
+                       "arguments": call["function"]["arguments"], "status": "completed"})
+    cut = reply.finish_reason == "length"
+    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response",
+            "created_at": int(time.time()), "model": model,
+            "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "error": None, "instructions": body.get("instructions"), "output": output,
+            "parallel_tool_calls": True, "tool_choice": body.get("tool_choice") or "auto",
+            "tools": body.get("tools") or [], "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"), "max_output_tokens": request.max_tokens,
+            "metadata": body.get("metadata") or {}, "store": False,
+            "usage": {"input_tokens": usage["prompt_tokens"],
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": usage["completion_tokens"],
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": usage["total_tokens"]}}
+
+
+class _Events:
+    """Server-sent events of the Responses API, numbered."""
+
+    def __init__(self):
+        self.number = 0
+
+    def __call__(self, kind: str, **fields) -> str:
+        self.number += 1
+        payload = {"type": kind, "sequence_number": self.number, **fields}
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+
+async def response_events(parts, request: ChatRequest, body: dict, model: str):
+    """The streamed response of ``parts`` (the proxy's ``("content", delta)`` ...
+    ``("reply", ...)`` or ``("error", ...)``): ``response.created``, the message item with its
+    ``output_text`` deltas as they come, each ``function_call`` item, then
+    ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``) with the
+    whole response, or an ``error`` event."""
+    event, message_id, text = _Events(), f"msg_{uuid.uuid4().hex}", None
+    start = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "model": model,
+             "created_at": int(time.time()), "status": "in_progress", "output": [],
+             "parallel_tool_calls": True, "tool_choice": body.get("tool_choice") or "auto",
+             "tools": body.get("tools") or []}
+    where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+    yield event("response.created", response=start)
+
+    def open_message() -> list[str]:
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [event("response.output_item.added", output_index=0, item={
+                    "type": "message", "id": message_id, "status": "in_progress",
+                    "role": "assistant", "content": []}),
+                event("response.content_part.added", part=part, **where)]
+
+    async for kind, value in parts:
+        if kind == "error":
+            yield event("error", code=value.code, message=value.message, param=value.param)
+            return
+        delta = value if kind == "content" else value[2]
+        if delta:
+            if text is None:
+                text = ""
+                for line in open_message():
+                    yield line
+            text += delta
+            yield event("response.output_text.delta", delta=delta, **where)
+        if kind == "reply":
+            reply, usage, _ = value
+            response = {**response_of(reply, usage, request, body, model, message_id),
+                        "id": start["id"], "created_at": start["created_at"]}
+            for index, item in enumerate(response["output"]):
+                if item["type"] == "message":
+                    part = item["content"][0]
+                    yield event("response.output_text.done", text=part["text"], **where)
+                    yield event("response.content_part.done", part=part, **where)
+                else:
+                    yield event("response.output_item.added", output_index=index,
+                                item={**item, "arguments": "", "status": "in_progress"})
+                    yield event("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=index, delta=item["arguments"])
+                    yield event("response.function_call_arguments.done", item_id=item["id"],
+                                output_index=index, arguments=item["arguments"])
+                yield event("response.output_item.done", output_index=index, item=item)
+            yield event(f"response.{response['status']}", response=response)
