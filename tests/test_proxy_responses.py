@@ -164,3 +164,33 @@ def test_an_openai_agents_sdk_agent_runs_and_is_recorded(serve, api):
     assert opened == ["amber"]
     done = finish(server, api)
     assert done["turns"] == 2 and done["sub_traces"] == 1, done
+
+
+def test_hostile_responses_requests_get_well_formed_errors(serve):
+    """150 mutations of a valid body (each field, and each input item's fields, set to values
+    of every JSON type): each is answered (a 4xx with an OpenAI error body naming a parameter,
+    or a 200 from the script), never a 5xx, and the server stays up."""
+    import random
+
+    _, server = serve(*["Fine."] * 200)
+    url = session(server, "hostile") + "/responses"
+    values = [None, True, 0, -1, 1.5, "", "x", [], [1], {}, {"type": "x"}, [{"type": None}],
+              [{"role": "user"}], [{"type": "function_call"}], [{"type": "message", "role": 7}]]
+    valid = {"model": "m", "input": [{"role": "user", "content": TASK}], "tools": TOOLS,
+             "instructions": INSTRUCTIONS, "max_output_tokens": 8}
+    rng = random.Random()
+    for _ in range(150):
+        body = {**valid, "input": [dict(valid["input"][0])]}
+        for _ in range(rng.randint(1, 3)):
+            if rng.random() < 0.5:
+                body[rng.choice([*valid, "stream", "tool_choice", "text", "include"])] = \
+                    rng.choice(values)
+            elif isinstance(body.get("input"), list) and body["input"]:
+                body["input"][0][rng.choice(["role", "content", "type", "call_id", "output",
+                                             "name", "arguments"])] = rng.choice(values)
+        reply = httpx.post(url, json=body, timeout=30)
+        assert reply.status_code in (200, 400), (body, reply.text)
+        if reply.status_code != 200:
+            error = reply.json()["error"]
+            assert error["message"] and error["type"], (body, reply.text)
+    assert httpx.post(url, json=valid).status_code == 200
