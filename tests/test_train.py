@@ -340,10 +340,9 @@ TRAIN_SCRIPT = textwrap.dedent("""
     steps, checkpoint_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(),
                       train_config(steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=1))
-    with open(out, "a") as log:
-        for metrics in trainer.train():
-            log.write(json.dumps(metrics) + "\\n")
-            log.flush()
+    with open(out, "a") as log:  # a line per step as it ends (train() returns only at the end)
+        trainer.train(callback=lambda metrics: (log.write(json.dumps(metrics) + "\\n"),
+                                                log.flush()))
     torch.save(trainer.policy.state_dict(), out + ".policy.pt")
     torch.save(trainer.critic.state_dict(), out + ".critic.pt")
 """)
@@ -391,6 +390,7 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
     steps = 4
     straight = run_training(tmp_path, "straight", steps)
     killed = run_training(tmp_path, "killed", steps, kill_after_lines=2)
+    assert killed.read_text().count("\n") < steps  # killed mid-run, not after it
     resumed = run_training(tmp_path, "killed", steps)  # same checkpoint dir and log: resumes
     rows = lambda path: {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
     expected, got = rows(straight), rows(resumed)
