@@ -353,3 +353,30 @@ def test_tools_header_uses_tojson_without_ascii_escapes():
     text = render_messages([], tools=[NOTE_TOOL])
     assert json.dumps(NOTE_TOOL, ensure_ascii=False) in text
     assert "\\u" not in text
+
+
+@pytest.mark.parametrize("which", ["builtin", "plain"])
+@given(text=st.text(max_size=40))
+@settings(max_examples=150, deadline=None)
+def test_token_bytes_join_to_the_texts_utf8(builtin_tokenizer, which, text):
+    """Each id's bytes (part of a character, maybe) are what the ids of any text join to; the
+    byte-level alphabet is transformers' own."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from agentrl_fast.harness.chat_format import _BYTE_OF_CHAR
+    assert _BYTE_OF_CHAR == {char: byte for byte, char in bytes_to_unicode().items()}
+    chat = ChatFormat(builtin_tokenizer if which == "builtin" else plain_byte_tokenizer())
+    text += "<tool_call><|im_end|>"
+    assert b"".join(chat.token_bytes(i) for i in chat.encode(text)) == text.encode("utf-8")
+
+
+def test_a_tokenizer_that_is_not_byte_level_has_no_token_bytes():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["[UNK]", "hello", "world", *SPECIAL_TOKENS]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    hf.add_tokens(list(SPECIAL_TOKENS))
+    chat = ChatFormat(hf)
+    assert chat.token_bytes(chat.encode("hello")[0]) is None

@@ -246,6 +246,34 @@ def test_trajectories_are_token_exact_with_the_trainers_logprobs(world, served, 
     assert tool_calls >= 2, "the warm-started policy made too few valid calls to test with"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_the_sampled_tokens_own(world, served, stream):
+    """``logprobs: true`` returns every token of the turn the generator sampled, with the
+    log-prob it sampled it with (the trajectory's) and its exact bytes; streamed, they come
+    with the finish. ``top_logprobs`` above 0 is refused."""
+    env, chat, _ = world
+    server, recorder = served
+    session = new_session(server, f"logprobs_{stream}")
+    client = openai.OpenAI(base_url=server.base_url(session), api_key="-", max_retries=0)
+    task = env.tasks("eval")[0]
+    request = dict(model="policy", messages=[{"role": "user", "content": task.prompt}],
+                   max_tokens=MAX_TOKENS, temperature=TEMPERATURE, logprobs=True, seed=3)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **request))
+        tokens = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.content]
+    else:
+        tokens = client.chat.completions.create(**request).choices[0].logprobs.content
+    trajectory = server.proxy.finish(session)
+    [sub_trace] = trajectory.sub_traces
+    actions = [i for i, m in zip(sub_trace.ids, sub_trace.action_mask) if m]
+    assert [t.logprob for t in tokens] == pytest.approx(
+        [lp for lp, m in zip(sub_trace.logprobs, sub_trace.action_mask) if m], abs=0)
+    assert b"".join(bytes(t.bytes) for t in tokens).decode("utf-8", "replace") == chat.decode(actions)
+    assert all(t.top_logprobs == [] for t in tokens) and len(tokens) == len(actions)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(**{**request, "top_logprobs": 2})
+
+
 def test_a_harness_that_compacts_starts_sub_traces_gae_chains_across(world, served):
     env, chat, policy = world
     server, recorder = served

@@ -106,6 +106,23 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(serve):
     assert response.incomplete_details.reason == "max_output_tokens"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_output_text_logprobs_returns_every_sampled_token(serve, stream):
+    """Each sampled token of the turn (the tool call's and the stop token's too) with its
+    log-prob (the scripted policy's are 0) and bytes that join to the turn's text."""
+    _, server = serve("Opening. " + CALL)
+    client = openai.OpenAI(base_url=session(server, "logprobs"), api_key="-", max_retries=0)
+    request = dict(model="m", input=TASK, tools=TOOLS, include=["message.output_text.logprobs"])
+    response = (streamed_response(client, **request)[2] if stream
+                else client.responses.create(**request))
+    [message] = [item for item in response.output if item.type == "message"]
+    tokens = message.content[0].logprobs
+    assert len(tokens) == response.usage.output_tokens
+    assert all(t.logprob == 0.0 for t in tokens)
+    text = b"".join(bytes(t.bytes) for t in tokens).decode()
+    assert text.startswith("Opening. <tool_call>") and text.endswith("</tool_call>")
+
+
 @pytest.mark.parametrize("field, value, param", [
     ("previous_response_id", "resp_1", "previous_response_id"),
     ("tools", [{"type": "web_search"}], "tools[0]"),

@@ -211,6 +211,25 @@ def render_messages(messages: Sequence[Mapping], tools: Iterable[Mapping] | None
                                                      enable_thinking))
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character each byte is written as
+    in a byte-level vocabulary -> the byte (printable Latin-1 bytes stand for themselves, the
+    others for characters from U+0100 on, in byte order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
+    out, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            out[chr(byte)] = byte
+        else:
+            out[chr(256 + shifted)] = byte
+            shifted += 1
+    return out
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 class ChatFormat:
     """Token-level Qwen3 rendering with any HF tokenizer that has the Qwen3 special tokens.
 
@@ -282,6 +301,18 @@ class ChatFormat:
         """Ids back to text, special tokens included."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one id stands for (part of a character, maybe) when the tokenizer is
+        byte-level (GPT-2 style, as Qwen3's), else ``None``; an added token's are its text's."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+            return None
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        if token_id in added:
+            return str(added[token_id]).encode("utf-8")
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        return bytes(_BYTE_OF_CHAR[char] for char in token)
 
     def encode_messages(self, messages: Sequence[Mapping], tools: Iterable[Mapping] | None = None,
                         add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:

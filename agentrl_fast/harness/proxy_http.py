@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrl_fast.harness.proxy import Proxy
-from agentrl_fast.harness.proxy_session import ChatRequest, ProxyError, Reply, parse_request
+from agentrl_fast.harness.proxy_session import (ChatRequest, ProxyError, Reply, parse_request,
+                                                token_logprobs)
 from agentrl_fast.harness.proxy_responses import chat_body, response_events, response_of
 from agentrl_fast.harness.proxy_stream import ContentStream
 
@@ -70,10 +71,17 @@ def _message(reply: Reply) -> dict:
     return message
 
 
-def _completion(proxy: Proxy, reply: Reply, usage: dict) -> dict:
+def _logprobs(proxy: Proxy, request: ChatRequest, reply: Reply) -> dict | None:
+    if not request.logprobs:
+        return None
+    return {"content": token_logprobs(proxy.chat_format, reply), "refusal": None}
+
+
+def _completion(proxy: Proxy, request: ChatRequest, reply: Reply, usage: dict) -> dict:
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": proxy.model_name,
-            "choices": [{"index": 0, "message": _message(reply), "logprobs": None,
+            "choices": [{"index": 0, "message": _message(reply),
+                         "logprobs": _logprobs(proxy, request, reply),
                          "finish_reason": reply.finish_reason}],
             "usage": usage}
 
@@ -153,8 +161,9 @@ async def _chat_events(stream: _Stream):
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": stream.proxy.model_name}
 
-    def event(delta: dict | None, finish: str | None = None, **extra) -> str:
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+    def event(delta: dict | None, finish: str | None = None, logprobs: dict | None = None,
+              **extra) -> str:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
                                              "finish_reason": finish}]
         return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n"
 
@@ -170,7 +179,9 @@ async def _chat_events(stream: _Stream):
                 yield event({"content": rest})
             for k, call in enumerate(reply.tool_calls):
                 yield event({"tool_calls": [{"index": k, **call}]})
-            yield event({}, reply.finish_reason)
+            # All the turn's log-probs with the finish (content is held back, so they cannot
+            # follow the deltas token by token); a client that joins the chunks' lists has them.
+            yield event({}, reply.finish_reason, _logprobs(stream.proxy, stream.request, reply))
             if stream.request.include_usage:
                 yield event(None, usage=usage)
             yield "data: [DONE]\n\n"
@@ -210,7 +221,7 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
                 await stream.started()
                 return StreamingResponse(_chat_events(stream), media_type="text/event-stream")
             _, reply, usage = await proxy.complete(session_id, chat_request)
-            return JSONResponse(_completion(proxy, reply, usage))
+            return JSONResponse(_completion(proxy, chat_request, reply, usage))
         return await guarded(work)
 
     @app.post("/s/{session_id}/v1/responses")
@@ -222,10 +233,12 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
                 stream = _Stream(proxy, session_id, chat_request)
                 await stream.started()
                 return StreamingResponse(
-                    response_events(stream.parts(), chat_request, body, proxy.model_name),
+                    response_events(stream.parts(), chat_request, body, proxy.chat_format,
+                                    proxy.model_name),
                     media_type="text/event-stream")
             _, reply, usage = await proxy.complete(session_id, chat_request)
-            return JSONResponse(response_of(reply, usage, chat_request, body, proxy.model_name))
+            return JSONResponse(response_of(reply, usage, chat_request, body, proxy.chat_format,
+                                            proxy.model_name))
         return await guarded(work)
 
     @app.get("/s/{session_id}/v1/models")

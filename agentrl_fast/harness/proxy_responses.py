@@ -21,11 +21,12 @@ import time
 import uuid
 from typing import Any
 
-from agentrl_fast.harness.proxy_session import ChatRequest, ProxyError, Reply
+from agentrl_fast.harness.chat_format import ChatFormat
+from agentrl_fast.harness.proxy_session import ChatRequest, ProxyError, Reply, token_logprobs
 
 __all__ = ["chat_body", "response_events", "response_of"]
 
-_IGNORED = ("model", "store", "metadata", "parallel_tool_calls", "truncation", "include", "user",
+_IGNORED = ("model", "store", "metadata", "parallel_tool_calls", "truncation", "user",
             "prompt_cache_key", "safety_identifier", "service_tier", "max_tool_calls",
             "top_logprobs", "stream_options")
 
@@ -118,7 +119,7 @@ def chat_body(body: Any) -> dict:
                    "constrain decoding", "text.format")
     known = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature",
              "top_p", "stream", "previous_response_id", "conversation", "prompt", "background",
-             "reasoning", "text", *_IGNORED}
+             "reasoning", "text", "include", *_IGNORED}
     unknown = sorted(set(body) - known)
     if unknown:
         raise _bad(f"unknown field {unknown[0]!r}", unknown[0])
@@ -128,23 +129,31 @@ def chat_body(body: Any) -> dict:
         if not isinstance(instructions, str):
             raise _bad("instructions must be a string", "instructions")
         messages.insert(0, {"role": "system", "content": instructions})
+    include = body.get("include") or []
+    if not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
+        raise _bad("include must be a list of strings", "include")
     chat = {"messages": messages, "tools": _tools(body.get("tools")),
-            "max_tokens": body.get("max_output_tokens"), "stream": body.get("stream", False)}
+            "max_tokens": body.get("max_output_tokens"), "stream": body.get("stream", False),
+            "logprobs": "message.output_text.logprobs" in include}
     for name in ("tool_choice", "temperature", "top_p"):
         if body.get(name) is not None:
             chat[name] = body[name]
     return chat
 
 
-def response_of(reply: Reply, usage: dict, request: ChatRequest, body: dict, model: str,
-                message_id: str | None = None) -> dict:
-    """The ``response`` object of a completed turn (its message item's id ``message_id``)."""
+def response_of(reply: Reply, usage: dict, request: ChatRequest, body: dict,
+                chat_format: ChatFormat, model: str, message_id: str | None = None) -> dict:
+    """The ``response`` object of a completed turn (its message item's id ``message_id``). With
+    ``include: ["message.output_text.logprobs"]`` the text part carries every sampled token's
+    log-prob (the turn's, tool-call blocks included, as in chat completions)."""
     output: list[dict] = []
-    if reply.content:
+    logprobs = token_logprobs(chat_format, reply) if request.logprobs else None
+    if reply.content or logprobs:
+        part = {"type": "output_text", "text": reply.content or "", "annotations": []}
+        if logprobs is not None:
+            part["logprobs"] = logprobs
         output.append({"type": "message", "id": message_id or f"msg_{uuid.uuid4().hex}",
-                       "status": "completed",
-                       "role": "assistant", "content": [
-                           {"type": "output_text", "text": reply.content, "annotations": []}]})
+                       "status": "completed", "role": "assistant", "content": [part]})
     for call in reply.tool_calls:
         output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
                        "call_id": call["id"], "name": call["function"]["name"],
@@ -178,7 +187,8 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
 
 
-async def response_events(parts, request: ChatRequest, body: dict, model: str):
+async def response_events(parts, request: ChatRequest, body: dict, chat_format: ChatFormat,
+                          model: str):
     """The streamed response of ``parts`` (the proxy's ``("content", delta)`` ...
     ``("reply", ...)`` or ``("error", ...)``): ``response.created``, the message item with its
     ``output_text`` deltas as they come, each ``function_call`` item, then
@@ -213,10 +223,14 @@ async def response_events(parts, request: ChatRequest, body: dict, model: str):
             yield event("response.output_text.delta", delta=delta, **where)
         if kind == "reply":
             reply, usage, _ = value
-            response = {**response_of(reply, usage, request, body, model, message_id),
+            response = {**response_of(reply, usage, request, body, chat_format, model,
+                                      message_id),
                         "id": start["id"], "created_at": start["created_at"]}
             for index, item in enumerate(response["output"]):
                 if item["type"] == "message":
+                    if text is None:  # no text came early: an empty one (log-probs only)
+                        for line in open_message():
+                            yield line
                     part = item["content"][0]
                     yield event("response.output_text.done", text=part["text"], **where)
                     yield event("response.content_part.done", part=part, **where)

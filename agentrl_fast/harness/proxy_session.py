@@ -168,6 +168,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     parse_calls: bool  # tool_choice "none": the output is returned as text
+    logprobs: bool = False  # return each sampled token's log-prob
 
 
 def _number(body: dict, name: str) -> float | None:
@@ -271,10 +272,17 @@ def parse_request(body: Any, sampling: SamplingParams) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _bad("logprobs must be a boolean", "logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise _bad("top_logprobs must be 0 or omitted: the generator returns the sampled "
+                   "token's log-prob only", "top_logprobs", "unsupported_value")
     return ChatRequest(messages, tools, json.dumps(tools, sort_keys=True) if tools else "",
                        _max_tokens(body, sampling), _stop(body),
                        None if seed is None else seed % (2 ** 63), bool(stream),
-                       bool(options.get("include_usage")), tool_choice != "none")
+                       bool(options.get("include_usage")), tool_choice != "none",
+                       bool(logprobs))
 
 
 # -- the model's output as an assistant message ---------------------------------------------------
@@ -291,6 +299,19 @@ class Reply:
     tool_calls: list[dict]
     finish_reason: str
     message: Message
+
+
+def token_logprobs(chat_format: ChatFormat, reply: Reply) -> list[dict]:
+    """OpenAI's ``logprobs.content`` of a reply: every kept id of the turn (tool-call blocks
+    and the stop token included: the trajectory's actions) with its sampling log-prob, its text
+    and its bytes (exact for byte-level tokenizers, else the text's UTF-8)."""
+    out = []
+    for token_id, logprob in zip(reply.ids, reply.logprobs):
+        text = chat_format.decode([token_id])
+        raw = chat_format.token_bytes(token_id)
+        out.append({"token": text, "logprob": logprob, "top_logprobs": [],
+                    "bytes": list(raw if raw is not None else text.encode("utf-8"))})
+    return out
 
 
 def _token_ends(chat_format: ChatFormat, ids: Sequence[int], text: str) -> dict[int, int]:
