@@ -1,14 +1,16 @@
 """Train an agent written against the OpenAI API, unchanged, through the proxy: a plain
-``openai`` tool-calling loop on the vault tasks points its ``base_url`` at the trainer's
+``openai`` tool-calling loop on the vault tasks (or, with ``--harness agents-sdk``, an OpenAI
+Agents SDK agent on its default Responses model) points its ``base_url`` at the trainer's
 proxy; each run is a session, recorded token for token; the finished sessions are a batch for
 PPO (a critic, GAE across the harness's own compactions), and the proxy then serves the new
 weights.
 
-    pip install -e '.[serve]' openai
-    python examples/train_openai_agent.py --steps 3
+    pip install -e '.[serve]' openai openai-agents
+    python examples/train_openai_agent.py --steps 3 [--harness agents-sdk]
 """
 
 import argparse
+import asyncio
 import json
 
 import openai
@@ -43,6 +45,37 @@ def openai_agent(base_url: str, system: str, task: str, tools: list[dict], run_t
     return None
 
 
+def agents_sdk_agent(base_url: str, system: str, task: str, tools: list[dict], run_tool,
+                     max_turns: int = 8) -> str | None:
+    """The same episode as an OpenAI Agents SDK agent (the episode's tools as its function
+    tools), on the SDK's default model: the Responses API."""
+    import agents  # pip install openai-agents
+
+    agents.set_tracing_disabled(True)
+
+    def function_tool(schema: dict) -> agents.FunctionTool:
+        function = schema["function"]
+
+        async def invoke(context, arguments: str) -> str:
+            return run_tool(function["name"], json.loads(arguments or "{}"))
+        return agents.FunctionTool(name=function["name"], description=function["description"],
+                                   params_json_schema=function["parameters"],
+                                   on_invoke_tool=invoke, strict_json_schema=False)
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
+    agent = agents.Agent(name="vaults", instructions=system,
+                         tools=[function_tool(t) for t in tools],
+                         model=agents.OpenAIResponsesModel(model="policy", openai_client=client))
+    try:
+        result = asyncio.run(agents.Runner.run(agent, task, max_turns=max_turns))
+    except (agents.MaxTurnsExceeded, openai.BadRequestError):  # the episode ends unanswered
+        return None
+    return result.final_output
+
+
+HARNESSES = {"openai": openai_agent, "agents-sdk": agents_sdk_agent}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
@@ -51,6 +84,7 @@ def main() -> None:
     parser.add_argument("--tasks-per-step", type=int, default=4)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--harness", choices=sorted(HARNESSES), default="openai")
     args = parser.parse_args()
 
     env = VaultEnvironment()
@@ -79,8 +113,8 @@ def main() -> None:
                     return str(by_name[name](**arguments))
                 except Exception as error:  # noqa: BLE001 - the model reads what went wrong
                     return f"Error: {error}"
-            answer = openai_agent(base_url, episode.system_prompt, episode.prompt,
-                                  [t.schema for t in episode.tools], run_tool)
+            answer = HARNESSES[args.harness](base_url, episode.system_prompt, episode.prompt,
+                                             [t.schema for t in episode.tools], run_tool)
             return episode.finish(answer)
 
     proxy = Proxy.for_trainer(trainer)

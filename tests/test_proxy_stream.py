@@ -43,27 +43,60 @@ def random_output(rng: random.Random) -> str:
     return "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 12)))
 
 
-def streamed(chat, ids, body) -> tuple[list[str], str, str]:
-    """``(deltas before the end, the rest, the final content)`` of ``ids`` streamed one at a
-    time under request ``body``."""
+def random_ids(chat, rng: random.Random) -> list[int]:
+    """A random output's ids, some multi-byte characters split into one id per byte (as a
+    sampler may emit them), maybe ending with <|im_end|>."""
+    from agentrl_fast.harness.chat_format import _BYTE_OF_CHAR
+    vocab = chat.tokenizer.get_vocab()
+    byte_id = {byte: vocab[char] for char, byte in _BYTE_OF_CHAR.items()}
+    ids = []
+    for char in random_output(rng):
+        split = ord(char) > 127 and rng.random() < 0.5
+        ids += [byte_id[b] for b in char.encode()] if split else chat.encode(char)
+    return ids + ([chat.im_end_id] if rng.random() < 0.7 else [])
+
+
+def streamed(chat, ids, body, chunk=lambda: 1) -> tuple[list[str], str, str]:
+    """``(deltas before the end, the rest, the final content)`` of ``ids`` streamed ``chunk()``
+    ids at a time under request ``body``."""
     request = parse_request({"model": "m", "messages": MESSAGES, "tools": TOOLS, **body},
                             SAMPLING)
     stream = ContentStream(chat, request.stop, request.parse_calls)
-    deltas = [d for i in ids if (d := stream.feed([i]))]
+    deltas, k = [], 0
+    while k < len(ids):
+        step = chunk()
+        deltas.append(stream.feed(ids[k:k + step]))
+        k += step
+    deltas = [d for d in deltas if d]
     reply = make_reply(chat, ids, [0.0] * len(ids), "stop", request, lambda k: f"call_{k}")
     return deltas, stream.finish(reply.content), reply.content or ""
 
 
-@pytest.mark.parametrize("body", [{}, {"stop": ["END"]}, {"stop": ["\n\n", "code"]},
-                                  {"tool_choice": "none"}])
+@pytest.mark.parametrize("body", [{}, {"stop": ["END"]}, {"stop": ["\n\n", "code", "b€"]},
+                                  {"tool_choice": "none"}, "stop strings from the output"])
 def test_deltas_add_up_to_the_final_content(chat, body):
     rng = random.Random()
     for _ in range(300):
-        text = random_output(rng)
-        ids = chat.encode(text) + ([chat.im_end_id] if rng.random() < 0.7 else [])
-        deltas, rest, content = streamed(chat, ids, body)
-        assert "".join(deltas) + rest == content, (text, deltas, rest)
+        ids = random_ids(chat, rng)
+        if body == "stop strings from the output":
+            text = chat.decode(ids)
+            starts = [rng.randrange(len(text)) for _ in range(2)] if text else []
+            request = {"stop": [text[i:i + rng.randint(1, 4)] for i in starts] or None}
+        else:
+            request = body
+        deltas, rest, content = streamed(chat, ids, request, lambda: rng.randint(1, 3))
+        assert "".join(deltas) + rest == content, (ids, request, deltas, rest)
         assert "\ufffd" not in "".join(deltas)  # never half a character
+
+
+def test_a_stop_string_ending_inside_an_unfinished_character_is_held(chat):
+    # "€" sampled as its three bytes, one id each: "b" must wait, since "b€" is a stop string.
+    from agentrl_fast.harness.chat_format import _BYTE_OF_CHAR
+    vocab = chat.tokenizer.get_vocab()
+    euro = [vocab[char] for byte in "€".encode() for char, b in _BYTE_OF_CHAR.items() if b == byte]
+    ids = chat.encode("ab") + euro + [chat.im_end_id]
+    deltas, rest, content = streamed(chat, ids, {"stop": ["b€"]})
+    assert content == "a" and "".join(deltas) + rest == "a"
 
 
 def test_plain_text_streams_all_but_its_last_token_and_holds_what_may_change(chat):

@@ -6,6 +6,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -122,3 +123,70 @@ def _alive(pid: int) -> bool:
         return False
     state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() else "X"
     return state != "Z"  # a zombie has exited (its parent may not have reaped it yet)
+
+
+class _BadStreams:
+    """An HTTP server speaking just enough of vLLM's API to connect, whose streamed
+    completions go wrong by prompt: ``[1]`` streams two ids and a finish, ``[2]`` an error
+    event after one id, ``[3]`` ends without a finish reason, ``[4]`` sends a line that is not
+    JSON. (vLLM sends an error event when its engine fails mid-request.)"""
+
+    def __init__(self):
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        def event(ids, finish=None) -> bytes:
+            choice = {"token_ids": ids, "finish_reason": finish,
+                      "logprobs": {"token_logprobs": [-0.5] * len(ids)}}
+            return f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+
+        streams = {1: [event([7]), event([8], "length"), b"data: [DONE]\n\n"],
+                   2: [event([7]), b'data: {"error": {"message": "engine died"}}\n\n'],
+                   3: [event([7]), b"data: [DONE]\n\n"],
+                   4: [event([7]), b"data: {not json\n\n"]}
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, body: bytes, kind="application/json"):
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path.startswith("/server_info"):
+                    self.reply(json.dumps({"vllm_config": {"model_config": {
+                        "logprobs_mode": "processed_logprobs"}}}).encode())
+                elif self.path == "/v1/models":
+                    self.reply(json.dumps({"data": [{"id": "m"}]}).encode())
+                else:
+                    self.reply(b"")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self.reply(b"".join(streams[body["prompt"][0]]), "text/event-stream")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def test_a_stream_that_goes_wrong_fails_only_its_sequence():
+    from agentrl_fast.config.sampling import SamplingParams
+    fake = _BadStreams()
+    try:
+        with VLLMGenerator(fake.url, retries=0) as generator:
+            heard = {}
+            out = generator.generate([[1], [2], [3], [4]], SamplingParams(max_new_tokens=2),
+                                     on_tokens=lambda i, ids: heard.setdefault(i, []).extend(ids))
+    finally:
+        fake.server.shutdown()
+    assert out[0].ids == [7, 8] and out[0].finish_reason == "length" and heard[0] == [7, 8]
+    assert [g.finish_reason for g in out[1:]] == ["error"] * 3
+    assert "engine died" in out[1].error and "without a finish reason" in out[2].error
+    assert "not JSON" in out[3].error
+    assert generator.stats["failed"] == 3

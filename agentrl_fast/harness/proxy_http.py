@@ -89,6 +89,11 @@ def _completion(proxy: Proxy, request: ChatRequest, reply: Reply, usage: dict) -
 _RUNNING: set[asyncio.Task] = set()
 
 
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class _Stream:
     """One streamed completion: the request runs as a task of its own (a client that hangs up
     mid-stream loses the rest of the reply, never the session's turn), the generating thread
@@ -117,6 +122,7 @@ class _Stream:
         _RUNNING.add(self.task)  # held: the loop keeps only weak references to tasks
         self.task.add_done_callback(_RUNNING.discard)
         self.task.add_done_callback(lambda _: self._arrived.set())
+        self.task.add_done_callback(_retrieve)  # its client may be gone: no "never retrieved"
 
     def _take(self) -> list[int]:
         """The pending ids (the loop's side; a later push sets ``_arrived`` again)."""
@@ -145,6 +151,7 @@ class _Stream:
             await self._arrived.wait()
         try:
             _, reply, usage = self.task.result()
+            rest = self.content.finish(reply.content)
         except ProxyError as error:
             yield "error", error
             return
@@ -152,7 +159,7 @@ class _Stream:
             yield "error", ProxyError(500, f"internal error: {type(error).__name__}: "
                                       f"{str(error)[:200]}")
             return
-        yield "reply", (reply, usage, self.content.finish(reply.content))
+        yield "reply", (reply, usage, rest)
 
 
 async def _chat_events(stream: _Stream):

@@ -22,11 +22,7 @@ __all__ = ["ContentStream"]
 
 
 def _held_from(text: str, marker: str) -> int:
-    """Where ``marker`` starts in ``text``, or where a suffix of ``text`` that begins it does;
-    ``len(text)`` if neither."""
-    found = text.find(marker)
-    if found >= 0:
-        return found
+    """Where a suffix of ``text`` that begins ``marker`` starts; ``len(text)`` if none."""
     for start in range(max(len(text) - len(marker) + 1, 0), len(text)):
         if marker.startswith(text[start:]):
             return start
@@ -36,30 +32,54 @@ def _held_from(text: str, marker: str) -> int:
 class ContentStream:
     """The content deltas of one reply as its ids arrive: :meth:`feed` new ids, get the text to
     send now; :meth:`finish` with the final reply's content gets the rest. The deltas always
-    add up to the final content."""
+    add up to the final content. Decoding is incremental (each id is decoded with the few
+    before it, as vLLM's detokenizer does), so a long reply costs linear time."""
 
     def __init__(self, chat_format: ChatFormat, stop: Sequence[str] = (),
                  parse_calls: bool = True):
         self.chat_format = chat_format
         self.markers = [*stop, *([TOOL_CALL_OPEN] if parse_calls else [])]
         self.ids: list[int] = []
+        self.text = ""  # the text of ids[:_read]: whole characters, never its last id's
+        self._context = 0  # ids[_context:_read] are decoded again before the new ones
+        self._read = 0
         self.sent = ""
+        self.held = False  # for good, until the end: a marker came, or leading whitespace
+
+    def _decode_new(self) -> None:
+        """Extend :attr:`text` by the new ids but the last (whose text may still change), once
+        they end on a whole character and leave the text before them as it was."""
+        upto = len(self.ids) - 1
+        if upto <= self._read:
+            return
+        before = self.chat_format.decode(self.ids[self._context:self._read])
+        window = self.chat_format.decode(self.ids[self._context:upto])
+        if len(window) > len(before) and window.startswith(before) \
+                and not window.endswith("\ufffd"):
+            self.text += window[len(before):]
+            self._context, self._read = self._read, upto
 
     def feed(self, ids: Sequence[int]) -> str:
         """Take newly sampled ``ids``; return the content that became certain (maybe "")."""
         self.ids.extend(ids)
-        if len(self.ids) < 2:
+        self._decode_new()
+        text = self.text
+        if self.held or not text:
             return ""
-        safe = self.chat_format.decode(self.ids[:-1])
-        if not self.chat_format.decode(self.ids).startswith(safe):
-            return ""  # the last id changed what comes before it: wait for more
-        if not safe or safe[0].isspace():
+        if text[0].isspace():  # stripped or not, depending on what follows
+            self.held = True
             return ""
-        end = min([len(safe)] + [_held_from(safe, m) for m in self.markers])
-        safe = safe[:end]
+        end = len(text)
+        for marker in self.markers:
+            # No marker starts inside what was sent (it ends before any), so look after it.
+            found = text.find(marker, max(len(self.sent) - len(marker) + 1, 0))
+            if found >= 0:
+                self.held = True
+            end = min(end, found if found >= 0 else _held_from(text, marker))
+        safe = text[:end]
         while safe and (safe[-1].isspace() or safe[-1] == "\ufffd"):  # stripped, or unfinished
             safe = safe[:-1]
-        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+        if len(safe) <= len(self.sent):
             return ""
         delta, self.sent = safe[len(self.sent):], safe
         return delta

@@ -269,6 +269,10 @@ class VLLMGenerator:
                 else:
                     reply = await self._stream(endpoint, body, on_ids, told)
                 return _generation(reply, stop_ids=set(sampling.stop_ids))
+            except _StreamFailed as error:  # this sequence fails, the others go on
+                self.stats["failed"] += 1
+                return Generation([], [], "error", error=f"vLLM server {endpoint.base_url}: "
+                                                         f"{error}")
             except httpx.TimeoutException as error:
                 if attempt < self.retries and not told:
                     self.stats["retries"] += 1
@@ -284,34 +288,48 @@ class VLLMGenerator:
     async def _stream(self, endpoint: _Endpoint, body: dict,
                       on_ids: Callable[[list[int]], None], told: list[int]) -> dict:
         """``/v1/completions`` as server-sent events: each event's ids go to ``on_ids`` (and
-        onto ``told``) as it arrives; returns the reply a plain request would have."""
+        onto ``told``) as it arrives; returns the reply a plain request would have. A failed
+        connection is tried again (as :meth:`_request` does) while nothing was told."""
         import httpx
 
+        for attempt in range(_CONNECTION_TRIES):
+            try:
+                return await self._stream_once(endpoint, body, on_ids, told)
+            except httpx.TimeoutException:  # a TransportError too: the caller's to retry or not
+                raise
+            except httpx.TransportError as error:
+                if told or endpoint.exited() or attempt == _CONNECTION_TRIES - 1:
+                    raise endpoint.dead_error(f"{type(error).__name__}: {error}") from None
+                await asyncio.sleep(0.25 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def _stream_once(self, endpoint: _Endpoint, body: dict,
+                           on_ids: Callable[[list[int]], None], told: list[int]) -> dict:
         ids, logprobs, finish = [], [], None
-        try:
-            async with self._client.stream("POST", endpoint.base_url + "/v1/completions",
-                                           json={**body, "stream": True}) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise _refusal(endpoint, "POST /v1/completions", response)
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
+        async with self._client.stream("POST", endpoint.base_url + "/v1/completions",
+                                       json={**body, "stream": True}) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                raise _refusal(endpoint, "POST /v1/completions", response)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                try:
                     event = json.loads(line[len("data: "):])
-                    if "error" in event:  # the server failed mid-stream
-                        raise endpoint.dead_error(f"POST /v1/completions: {event['error']}")
-                    choice = event["choices"][0]
-                    new = [int(i) for i in choice["token_ids"]]
-                    ids += new
-                    logprobs += choice["logprobs"]["token_logprobs"]
-                    finish = choice["finish_reason"] or finish
-                    if new:
-                        told += new
-                        on_ids(new)
-        except httpx.TimeoutException:  # a TransportError too: the caller's to retry or not
-            raise
-        except httpx.TransportError as error:
-            raise endpoint.dead_error(f"{type(error).__name__}: {error}") from None
+                except ValueError:
+                    raise _StreamFailed(f"an event that is not JSON: {line[:200]!r}") from None
+                if "error" in event:
+                    raise _StreamFailed(f"an error event mid-stream: {event['error']}")
+                choice = event["choices"][0]
+                new = _ids_of(choice)
+                ids += new
+                logprobs += choice["logprobs"]["token_logprobs"]
+                finish = choice["finish_reason"] or finish
+                if new:
+                    told += new
+                    on_ids(new)
+        if finish is None:
+            raise _StreamFailed("the stream ended without a finish reason")
         return {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": logprobs},
                              "finish_reason": finish}]}
 
@@ -356,14 +374,24 @@ class VLLMGenerator:
         self.stats["weight_sync_seconds"] += time.perf_counter() - start
 
 
+class _StreamFailed(Exception):
+    """A streamed request the server ended badly: its sequence fails, the call goes on."""
+
+
+def _ids_of(choice: dict) -> list[int]:
+    """A completion choice's (or stream event's) sampled ids: ``token_ids``, else the
+    ``token_id:N`` log-prob tokens."""
+    ids = choice.get("token_ids")
+    if ids is None:
+        ids = [t.removeprefix("token_id:") for t in choice["logprobs"]["tokens"]]
+    return [int(i) for i in ids]
+
+
 def _generation(reply: dict, stop_ids: set[int]) -> Generation:
     """A :class:`Generation` from a ``/v1/completions`` reply of one choice."""
     choice = reply["choices"][0]
-    ids = choice.get("token_ids")
+    ids = _ids_of(choice)
     logprobs = choice["logprobs"]["token_logprobs"]
-    if ids is None:
-        ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
-    ids = [int(i) for i in ids]
     if len(ids) != len(logprobs):
         raise RuntimeError(f"vLLM returned {len(ids)} ids and {len(logprobs)} log-probs")
     finish = choice["finish_reason"]
