@@ -135,6 +135,7 @@ def test_include_output_text_logprobs_returns_every_sampled_token(serve, stream)
     ("tool_choice", "required", "tool_choice"),
     ("input", [], "input"),
     ("frobnicate", 1, "frobnicate"),
+    ("top_logprobs", 3, "top_logprobs"),
 ])
 def test_what_the_proxy_cannot_serve_is_refused_naming_the_parameter(serve, field, value, param):
     _, server = serve("Fine.")

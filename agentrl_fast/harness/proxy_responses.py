@@ -28,7 +28,7 @@ __all__ = ["chat_body", "response_events", "response_of"]
 
 _IGNORED = ("model", "store", "metadata", "parallel_tool_calls", "truncation", "user",
             "prompt_cache_key", "safety_identifier", "service_tier", "max_tool_calls",
-            "top_logprobs", "stream_options")
+            "stream_options")
 
 
 def _bad(message: str, param: str | None) -> ProxyError:
@@ -119,7 +119,7 @@ def chat_body(body: Any) -> dict:
                    "constrain decoding", "text.format")
     known = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature",
              "top_p", "stream", "previous_response_id", "conversation", "prompt", "background",
-             "reasoning", "text", "include", *_IGNORED}
+             "reasoning", "text", "include", "top_logprobs", *_IGNORED}
     unknown = sorted(set(body) - known)
     if unknown:
         raise _bad(f"unknown field {unknown[0]!r}", unknown[0])
@@ -135,7 +135,7 @@ def chat_body(body: Any) -> dict:
     chat = {"messages": messages, "tools": _tools(body.get("tools")),
             "max_tokens": body.get("max_output_tokens"), "stream": body.get("stream", False),
             "logprobs": "message.output_text.logprobs" in include}
-    for name in ("tool_choice", "temperature", "top_p"):
+    for name in ("tool_choice", "temperature", "top_p", "top_logprobs"):  # checked as in chat
         if body.get(name) is not None:
             chat[name] = body[name]
     return chat
