@@ -10,9 +10,11 @@
         trainer.train_on([trajectory, ...])
 
 Endpoints (:mod:`~agentrl_fast.harness.proxy_http`): ``POST /s/{session}/v1/chat/completions``
-(whole, or streamed token by token: :mod:`~agentrl_fast.harness.proxy_stream`), ``GET /s/{session}/v1/models``, ``POST /sessions``, ``POST
-/sessions/{id}/finish``. A session is one rollout: how requests extend it or start a new
-sub-trace is :mod:`~agentrl_fast.harness.proxy_session`'s doc. Sampling stays the run's: a
+and ``POST /s/{session}/v1/responses`` (:mod:`~agentrl_fast.harness.proxy_responses`), whole or
+streamed token by token (:mod:`~agentrl_fast.harness.proxy_stream`), ``GET
+/s/{session}/v1/models``, ``POST /sessions``, ``POST /sessions/{id}/finish``. A session is one
+rollout: how requests extend it or start a new sub-trace is
+:mod:`~agentrl_fast.harness.proxy_session`'s doc. Sampling stays the run's: a
 request may restate ``temperature``/``top_p``, not change them; ``max_tokens`` is capped by the
 run's ``max_new_tokens``; ``stop`` strings end a turn where they end on a token boundary.
 
