@@ -606,6 +606,8 @@ CASES = {
     "seeds_too_few": ("ValueError", "seeds has 1 entries for 2 prompts", "g.generate([[1], [2]], sp, seeds=[0])"),
     "seeds_too_many": ("ValueError", "seeds has 3 entries for 2 prompts",
                        "g.generate([[1], [2]], sp, seeds=[0, 1, 2])"),
+    "on_tokens_not_callable": ("TypeError", "on_tokens must be callable as on_tokens(prompt index, "
+                               "ids), got list", "g.generate([[1]], sp, on_tokens=[])"),
     "model_not_module": ("TypeError", "model must be a torch.nn.Module", "TorchGenerator(lambda x: x)"),
     "max_batch_size_zero": ("ValueError", "max_batch_size must be an int >= 1", "TorchGenerator(model, max_batch_size=0)"),
     "sampling_dict": ("TypeError", "sampling must be a SamplingParams, got dict",

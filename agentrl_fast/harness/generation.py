@@ -276,6 +276,9 @@ class TorchGenerator:
         seeds = list(seeds)
         if len(seeds) != len(prompts):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+        if on_tokens is not None and not callable(on_tokens):
+            raise TypeError(f"on_tokens must be callable as on_tokens(prompt index, ids), got "
+                            f"{type(on_tokens).__name__}")
         out: list[Generation] = []
         stamp = parameter_stamp(self.model)
         if self.prefix_cache.capacity:

@@ -215,6 +215,9 @@ class VLLMGenerator:
                              "vLLM backend: its log-probs would be renormalized over the kept "
                              "tokens, not log_softmax(logits / T); turn top-k/top-p off (top_k=0, "
                              "top_p=1.0)")
+        if on_tokens is not None and not callable(on_tokens):
+            raise TypeError(f"on_tokens must be callable as on_tokens(prompt index, ids), got "
+                            f"{type(on_tokens).__name__}")
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds must have one seed per prompt ({len(prompts)}), got "
                              f"{len(seeds)}")
