@@ -107,6 +107,30 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(serve):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_previous_response_id_continues_a_response_of_the_session(serve, stream):
+    """Only the new items each turn: the response it continues comes before them (its reply
+    included) and the session is extended as if the whole input had been sent. An unknown id,
+    or one of another session, is a 404 naming the parameter."""
+    proxy, server = serve("Opening it. " + CALL, "The code is 4711.", "Other.")
+    client = openai.OpenAI(base_url=session(server, "chain"), api_key="-", max_retries=0)
+    create = ((lambda **r: streamed_response(client, **r)[2]) if stream
+              else client.responses.create)
+    first = create(model="m", instructions=INSTRUCTIONS, tools=TOOLS, input=TASK)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    second = create(model="m", instructions=INSTRUCTIONS, tools=TOOLS, previous_response_id=first.id,
+                    input=[{"type": "function_call_output", "call_id": call.call_id,
+                            "output": "4711"}])
+    assert second.output_text == "The code is 4711." and second.previous_response_id == first.id
+    done = finish(server, "chain")
+    assert done["turns"] == 2 and done["sub_traces"] == 1
+    other = openai.OpenAI(base_url=session(server, "other"), api_key="-", max_retries=0)
+    for client_, previous in ((client, "resp_unknown"), (other, first.id)):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client_.responses.create(model="m", input="Go on.", previous_response_id=previous)
+        assert missing.value.body["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_include_output_text_logprobs_returns_every_sampled_token(serve, stream):
     """Each sampled token of the turn (the tool call's and the stop token's too) with its
     log-prob (the scripted policy's are 0) and bytes that join to the turn's text."""
@@ -124,7 +148,7 @@ def test_include_output_text_logprobs_returns_every_sampled_token(serve, stream)
 
 
 @pytest.mark.parametrize("field, value, param", [
-    ("previous_response_id", "resp_1", "previous_response_id"),
+    ("conversation", "conv_1", "conversation"),
     ("tools", [{"type": "web_search"}], "tools[0]"),
     ("input", [{"type": "reasoning", "summary": []}], "input[0]"),
     ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
@@ -148,7 +172,8 @@ def test_what_the_proxy_cannot_serve_is_refused_naming_the_parameter(serve, fiel
 
 # -- the OpenAI Agents SDK, unchanged ---------------------------------------------------------------
 
-@pytest.mark.parametrize("api", ["responses", "chat_completions", "responses_streamed"])
+@pytest.mark.parametrize("api", ["responses", "chat_completions", "responses_streamed",
+                                 "responses_chained"])
 def test_an_openai_agents_sdk_agent_runs_and_is_recorded(serve, api):
     agents.set_tracing_disabled(True)  # nothing leaves this machine
     proxy, server = serve("Let me open it. " + CALL, "The code of amber is 4711.")
@@ -176,7 +201,8 @@ def test_an_openai_agents_sdk_agent_runs_and_is_recorded(serve, api):
             async for _ in result.stream_events():
                 pass
             return result
-        return await agents.Runner.run(agent, TASK)
+        return await agents.Runner.run(agent, TASK,
+                                       auto_previous_response_id=api == "responses_chained")
     result = asyncio.run(run())
     assert result.final_output == "The code of amber is 4711."
     assert opened == ["amber"]

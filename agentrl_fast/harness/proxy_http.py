@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agentrl_fast.harness.proxy import Proxy
 from agentrl_fast.harness.proxy_session import (ChatRequest, ProxyError, Reply, parse_request,
                                                 token_logprobs)
-from agentrl_fast.harness.proxy_responses import chat_body, response_events, response_of
+from agentrl_fast.harness.proxy_responses import (ResponseStore, chat_body, response_events,
+                                                  response_of)
 from agentrl_fast.harness.proxy_stream import ContentStream
 
 
@@ -231,21 +232,32 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
             return JSONResponse(_completion(proxy, chat_request, reply, usage))
         return await guarded(work)
 
+    store = ResponseStore()
+
     @app.post("/s/{session_id}/v1/responses")
     async def responses(session_id: str, request: Request):
         async def work():
             body = await _read_json(request, max_body_bytes)
-            chat_request = parse_request(chat_body(body), proxy.sampling)
+            chat, conversation = chat_body(body, store.history(session_id, body))
+            chat_request = parse_request(chat, proxy.sampling)
+            response_id = f"resp_{uuid.uuid4().hex}"
+
+            def remember(task: asyncio.Future) -> None:  # also when its client hung up
+                if not task.cancelled() and task.exception() is None:
+                    store.remember(session_id, response_id, conversation, task.result()[1])
             if chat_request.stream:
                 stream = _Stream(proxy, session_id, chat_request)
+                stream.task.add_done_callback(remember)
                 await stream.started()
                 return StreamingResponse(
-                    response_events(stream.parts(), chat_request, body, proxy.chat_format,
-                                    proxy.model_name),
+                    response_events(response_id, stream.parts(), chat_request, body,
+                                    proxy.chat_format, proxy.model_name),
                     media_type="text/event-stream")
-            _, reply, usage = await proxy.complete(session_id, chat_request)
-            return JSONResponse(response_of(reply, usage, chat_request, body, proxy.chat_format,
-                                            proxy.model_name))
+            turn = asyncio.ensure_future(proxy.complete(session_id, chat_request))
+            turn.add_done_callback(remember)
+            _, reply, usage = await turn
+            return JSONResponse(response_of(response_id, reply, usage, chat_request, body,
+                                            proxy.chat_format, proxy.model_name))
         return await guarded(work)
 
     @app.get("/s/{session_id}/v1/models")

@@ -7,9 +7,10 @@ Input items: ``message`` (roles user, system, developer, assistant; text parts
 ``input_text``/``output_text``), ``function_call`` (joins the assistant message before it, as
 its tool calls) and ``function_call_output`` (a tool message); ``instructions`` becomes the
 first system message. Tools: ``{"type": "function", "name", "description", "parameters"}``.
-The proxy keeps no responses: ``previous_response_id`` and ``conversation`` are refused (send
-the whole input, ``store: false``), as are hosted tools, non-text inputs and options that would
-change the run's sampling. Output: a ``message`` item for the content, a ``function_call`` item
+``previous_response_id`` continues a response of the same session (:class:`ResponseStore` keeps
+the latest ``capacity`` of them, ``store`` or not): its conversation and reply come before the
+new items, the new ``instructions`` replace the old. ``conversation`` objects, hosted tools,
+non-text inputs and options that would change the run's sampling are refused. Output: a ``message`` item for the content, a ``function_call`` item
 per call (``call_id``: the proxy's call id); a reply cut by ``max_output_tokens`` is
 ``incomplete``.
 """
@@ -19,12 +20,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 from agentrl_fast.harness.chat_format import ChatFormat
 from agentrl_fast.harness.proxy_session import ChatRequest, ProxyError, Reply, token_logprobs
 
-__all__ = ["chat_body", "response_events", "response_of"]
+__all__ = ["ResponseStore", "chat_body", "response_events", "response_of"]
 
 _IGNORED = ("model", "store", "metadata", "parallel_tool_calls", "truncation", "user",
             "prompt_cache_key", "safety_identifier", "service_tier", "max_tool_calls",
@@ -99,15 +101,17 @@ def _tools(tools: Any) -> list[dict] | None:
     return out
 
 
-def chat_body(body: Any) -> dict:
-    """The ``/chat/completions`` body of a ``/responses`` body; :class:`ProxyError` (400)
-    naming the parameter for what the proxy cannot serve."""
+def chat_body(body: Any, history: list[dict] = ()) -> tuple[dict, list[dict]]:
+    """``(the /chat/completions body, the conversation)`` of a ``/responses`` body continuing
+    ``history`` (chat messages, :meth:`ResponseStore.history`); the conversation is the history
+    and the new messages, without the instructions. :class:`ProxyError` (400) naming the
+    parameter for what the proxy cannot serve."""
     if not isinstance(body, dict):
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
-    for name in ("previous_response_id", "conversation", "prompt"):
+    for name in ("conversation", "prompt"):
         if body.get(name) is not None:
-            raise _bad(f"{name} is not supported: the proxy keeps no responses; send the whole "
-                       "input each time (store: false)", name)
+            raise _bad(f"{name} is not supported: the proxy keeps no conversation objects; "
+                       "send the input, or previous_response_id", name)
     if body.get("background"):
         raise _bad("background must be false or omitted", "background")
     if body.get("reasoning") not in (None, {}):
@@ -123,7 +127,8 @@ def chat_body(body: Any) -> dict:
     unknown = sorted(set(body) - known)
     if unknown:
         raise _bad(f"unknown field {unknown[0]!r}", unknown[0])
-    messages = _messages(body.get("input"))
+    conversation = [*history, *_messages(body.get("input"))]
+    messages = list(conversation)
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -138,10 +143,44 @@ def chat_body(body: Any) -> dict:
     for name in ("tool_choice", "temperature", "top_p", "top_logprobs"):  # checked as in chat
         if body.get(name) is not None:
             chat[name] = body[name]
-    return chat
+    return chat, conversation
 
 
-def response_of(reply: Reply, usage: dict, request: ChatRequest, body: dict,
+class ResponseStore:
+    """The conversations of recent responses, for ``previous_response_id``: per (session,
+    response id), the chat messages the response continued (without the instructions) and its
+    reply as an assistant message; past ``capacity`` the least recently used are dropped."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._turns: OrderedDict[tuple[str, str], list[dict]] = OrderedDict()
+
+    def history(self, session_id: str, body: Any) -> list[dict]:
+        """The conversation ``body`` continues: ``[]`` without ``previous_response_id``."""
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        if previous is None:
+            return []
+        if not isinstance(previous, str):
+            raise _bad("previous_response_id must be a string", "previous_response_id")
+        turn = self._turns.get((session_id, previous))
+        if turn is None:
+            raise ProxyError(404, f"previous_response_id {previous!r} is no response of session "
+                             f"{session_id} (the proxy keeps its latest {self.capacity})",
+                             "previous_response_id", "previous_response_not_found")
+        self._turns.move_to_end((session_id, previous))
+        return list(turn)
+
+    def remember(self, session_id: str, response_id: str, conversation: list[dict],
+                 reply: Reply) -> None:
+        message = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            message["tool_calls"] = reply.tool_calls
+        self._turns[(session_id, response_id)] = [*conversation, message]
+        while len(self._turns) > self.capacity:
+            self._turns.popitem(last=False)
+
+
+def response_of(response_id: str, reply: Reply, usage: dict, request: ChatRequest, body: dict,
                 chat_format: ChatFormat, model: str, message_id: str | None = None) -> dict:
     """The ``response`` object of a completed turn (its message item's id ``message_id``). With
     ``include: ["message.output_text.logprobs"]`` the text part carries every sampled token's
@@ -159,7 +198,8 @@ def response_of(reply: Reply, usage: dict, request: ChatRequest, body: dict,
                        "call_id": call["id"], "name": call["function"]["name"],
                        "arguments": call["function"]["arguments"], "status": "completed"})
     cut = reply.finish_reason == "length"
-    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response",
+    return {"id": response_id, "object": "response", "previous_response_id":
+            body.get("previous_response_id"),
             "created_at": int(time.time()), "model": model,
             "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
@@ -187,15 +227,15 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
 
 
-async def response_events(parts, request: ChatRequest, body: dict, chat_format: ChatFormat,
-                          model: str):
+async def response_events(response_id: str, parts, request: ChatRequest, body: dict,
+                          chat_format: ChatFormat, model: str):
     """The streamed response of ``parts`` (the proxy's ``("content", delta)`` ...
     ``("reply", ...)`` or ``("error", ...)``): ``response.created``, the message item with its
     ``output_text`` deltas as they come, each ``function_call`` item, then
     ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``) with the
     whole response, or an ``error`` event."""
     event, message_id, text = _Events(), f"msg_{uuid.uuid4().hex}", None
-    start = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "model": model,
+    start = {"id": response_id, "object": "response", "model": model,
              "created_at": int(time.time()), "status": "in_progress", "output": [],
              "parallel_tool_calls": True, "tool_choice": body.get("tool_choice") or "auto",
              "tools": body.get("tools") or []}
@@ -223,9 +263,8 @@ async def response_events(parts, request: ChatRequest, body: dict, chat_format: 
             yield event("response.output_text.delta", delta=delta, **where)
         if kind == "reply":
             reply, usage, _ = value
-            response = {**response_of(reply, usage, request, body, chat_format, model,
-                                      message_id),
-                        "id": start["id"], "created_at": start["created_at"]}
+            response = {**response_of(response_id, reply, usage, request, body, chat_format,
+                                      model, message_id), "created_at": start["created_at"]}
             for index, item in enumerate(response["output"]):
                 if item["type"] == "message":
                     if text is None:  # no text came early: an empty one (log-probs only)
