@@ -6,6 +6,7 @@ tool unchanged, on its default Responses model and on its chat-completions model
 text policy runs through the real ChatFormat and tokenizer."""
 
 import asyncio
+import copy
 
 import agents  # the OpenAI Agents SDK (the test extra)
 import httpx
@@ -121,13 +122,28 @@ def test_previous_response_id_continues_a_response_of_the_session(serve, stream)
                     input=[{"type": "function_call_output", "call_id": call.call_id,
                             "output": "4711"}])
     assert second.output_text == "The code is 4711." and second.previous_response_id == first.id
-    done = finish(server, "chain")
-    assert done["turns"] == 2 and done["sub_traces"] == 1
     other = openai.OpenAI(base_url=session(server, "other"), api_key="-", max_retries=0)
-    for client_, previous in ((client, "resp_unknown"), (other, first.id)):
+    unstored = client.responses.create(model="m", input="Again.", store=False)
+    for client_, previous in ((client, "resp_unknown"), (other, first.id), (client, unstored.id)):
         with pytest.raises(openai.NotFoundError) as missing:
             client_.responses.create(model="m", input="Go on.", previous_response_id=previous)
         assert missing.value.body["param"] == "previous_response_id"
+    done = finish(server, "chain")
+    assert done["turns"] == 3 and done["sub_traces"] == 2  # the third restarted: "Again."
+    assert "chain" not in proxy.responses._sessions  # forgotten with the session
+
+
+def test_an_empty_reply_is_an_empty_message_the_harness_sends_back(serve):
+    _, server = serve("", "Done.")
+    client = openai.OpenAI(base_url=session(server, "empty"), api_key="-", max_retries=0)
+    items = [{"role": "user", "content": TASK}]
+    first = client.responses.create(model="m", input=items)
+    assert [item.type for item in first.output] == ["message"] and first.output_text == ""
+    items += [item.model_dump(exclude_none=True) for item in first.output]
+    items.append({"role": "user", "content": "Well?"})
+    assert client.responses.create(model="m", input=items).output_text == "Done."
+    done = finish(server, "empty")
+    assert done["turns"] == 2 and done["sub_traces"] == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -159,6 +175,16 @@ def test_include_output_text_logprobs_returns_every_sampled_token(serve, stream)
     ("tool_choice", "required", "tool_choice"),
     ("input", [], "input"),
     ("frobnicate", 1, "frobnicate"),
+    ("max_output_tokens", 0, "max_output_tokens"),
+    ("input", [{"role": "tool", "content": "x"}], "input[0].role"),
+    ("input", [{"type": "function_call", "call_id": 7, "name": "f", "arguments": "{}"}],
+     "input[0].call_id"),
+    ("input", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+     "input[1]"),
+    ("input", [{"type": "function_call", "call_id": "c", "name": "f",
+                "arguments": "[" * 5000 + "]" * 5000},
+               {"type": "function_call_output", "call_id": "c", "output": "x"}],
+     "messages[0].tool_calls[0].function.arguments"),
     ("top_logprobs", 3, "top_logprobs"),
 ])
 def test_what_the_proxy_cannot_serve_is_refused_naming_the_parameter(serve, field, value, param):
@@ -226,12 +252,13 @@ def test_hostile_responses_requests_get_well_formed_errors(serve):
     for _ in range(150):
         body = {**valid, "input": [dict(valid["input"][0])]}
         for _ in range(rng.randint(1, 3)):
+            value = copy.deepcopy(rng.choice(values))  # never shared: no cycles, no leaks
             if rng.random() < 0.5:
-                body[rng.choice([*valid, "stream", "tool_choice", "text", "include"])] = \
-                    rng.choice(values)
-            elif isinstance(body.get("input"), list) and body["input"]:
+                body[rng.choice([*valid, "stream", "tool_choice", "text", "include"])] = value
+            elif (isinstance(body.get("input"), list) and body["input"]
+                  and isinstance(body["input"][0], dict)):
                 body["input"][0][rng.choice(["role", "content", "type", "call_id", "output",
-                                             "name", "arguments"])] = rng.choice(values)
+                                             "name", "arguments"])] = value
         reply = httpx.post(url, json=body, timeout=30)
         assert reply.status_code in (200, 400), (body, reply.text)
         if reply.status_code != 200:

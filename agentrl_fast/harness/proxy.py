@@ -52,6 +52,7 @@ from typing import Any, Callable, Sequence
 from agentrl_fast.config.sampling import SamplingParams
 from agentrl_fast.harness.chat_format import ChatFormat
 from agentrl_fast.harness.generation import Generation, Generator
+from agentrl_fast.harness.proxy_responses import ResponseStore
 from agentrl_fast.harness.proxy_session import (ChatRequest, Plan, ProxyError, Reply, Session,
                                                 make_reply, parse_request)
 from agentrl_fast.harness.trajectory import Trajectory
@@ -198,6 +199,7 @@ class Proxy:
         self._turn_end_room = max(len(chat_format.turn_end_ids([chat_format.im_end_id])),
                                   len(chat_format.turn_end_ids([])))
         self._sessions: dict[str, Session] = {}
+        self.responses = ResponseStore()  # previous_response_id's conversations (/responses)
         self._closed: set[str] = set()
         self._lock = threading.Lock()
         self.finished: queue.Queue[Trajectory] = queue.Queue()  # sessions finished over HTTP
@@ -265,6 +267,7 @@ class Proxy:
         with self._lock:
             del self._sessions[session_id]
             self._closed.add(session_id)
+        self.responses.forget(session_id)
         return trajectory
 
     def take_finished(self, count: int, timeout: float | None = None) -> list[Trajectory]:

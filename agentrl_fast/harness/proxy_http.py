@@ -24,8 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agentrl_fast.harness.proxy import Proxy
 from agentrl_fast.harness.proxy_session import (ChatRequest, ProxyError, Reply, parse_request,
                                                 token_logprobs)
-from agentrl_fast.harness.proxy_responses import (ResponseStore, chat_body, response_events,
-                                                  response_of)
+from agentrl_fast.harness.proxy_responses import chat_body, response_events, response_of
 from agentrl_fast.harness.proxy_stream import ContentStream
 
 
@@ -232,19 +231,22 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
             return JSONResponse(_completion(proxy, chat_request, reply, usage))
         return await guarded(work)
 
-    store = ResponseStore()
-
     @app.post("/s/{session_id}/v1/responses")
     async def responses(session_id: str, request: Request):
         async def work():
             body = await _read_json(request, max_body_bytes)
-            chat, conversation = chat_body(body, store.history(session_id, body))
+            proxy.session(session_id)  # a 404 before anything is kept for it
+            chat, conversation = chat_body(body, proxy.responses.history(session_id, body))
             chat_request = parse_request(chat, proxy.sampling)
             response_id = f"resp_{uuid.uuid4().hex}"
+            keep = body.get("store") is not False
+            if keep:
+                proxy.responses.reserve(session_id, response_id)
 
             def remember(task: asyncio.Future) -> None:  # also when its client hung up
-                if not task.cancelled() and task.exception() is None:
-                    store.remember(session_id, response_id, conversation, task.result()[1])
+                ok = keep and not task.cancelled() and task.exception() is None
+                proxy.responses.settle(session_id, response_id, conversation,
+                                       task.result()[1] if ok else None)
             if chat_request.stream:
                 stream = _Stream(proxy, session_id, chat_request)
                 stream.task.add_done_callback(remember)

@@ -7,9 +7,11 @@ Input items: ``message`` (roles user, system, developer, assistant; text parts
 ``input_text``/``output_text``), ``function_call`` (joins the assistant message before it, as
 its tool calls) and ``function_call_output`` (a tool message); ``instructions`` becomes the
 first system message. Tools: ``{"type": "function", "name", "description", "parameters"}``.
-``previous_response_id`` continues a response of the same session (:class:`ResponseStore` keeps
-the latest ``capacity`` of them, ``store`` or not): its conversation and reply come before the
-new items, the new ``instructions`` replace the old. ``conversation`` objects, hosted tools,
+``previous_response_id`` continues a stored response of the same session
+(:class:`ResponseStore`): its conversation and reply come before the new items, the new
+``instructions`` replace the old. Several calls of one turn interleaved with their outputs read
+as several turns (a function call after tool outputs opens a new assistant turn, the common
+case), so such a harness starts a new sub-trace. ``conversation`` objects, hosted tools,
 non-text inputs and options that would change the run's sampling are refused. Output: a ``message`` item for the content, a ``function_call`` item
 per call (``call_id``: the proxy's call id); a reply cut by ``max_output_tokens`` is
 ``incomplete``.
@@ -29,8 +31,8 @@ from agentrl_fast.harness.proxy_session import ChatRequest, ProxyError, Reply, t
 __all__ = ["ResponseStore", "chat_body", "response_events", "response_of"]
 
 _IGNORED = ("model", "store", "metadata", "parallel_tool_calls", "truncation", "user",
-            "prompt_cache_key", "safety_identifier", "service_tier", "max_tool_calls",
-            "stream_options")
+            "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+            "safety_identifier", "service_tier", "max_tool_calls", "stream_options")
 
 
 def _bad(message: str, param: str | None) -> ProxyError:
@@ -64,9 +66,15 @@ def _messages(items: Any) -> list[dict]:
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and isinstance(item.get("role"), str):
+            if item["role"] not in ("user", "system", "developer", "assistant"):
+                raise _bad(f"{where}.role must be user, system, developer or assistant, got "
+                           f"{item['role']!r}", f"{where}.role")
             messages.append({"role": item["role"],
                              "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
+            for name in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(name), str) or (name == "name" and not item[name]):
+                    raise _bad(f"{where}.{name} must be a string", f"{where}.{name}")
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             if not messages or messages[-1]["role"] != "assistant":
@@ -79,6 +87,10 @@ def _messages(items: Any) -> list[dict]:
         else:
             raise _bad(f"{where} must be a message, function_call or function_call_output "
                        f"item, got type {kind!r}", where)
+    if messages[-1]["role"] == "assistant":
+        raise _bad(f"input[{len(items) - 1}]: the input ends with the assistant's turn; the "
+                   "proxy samples the next one after user input or tool outputs",
+                   f"input[{len(items) - 1}]")
     return messages
 
 
@@ -114,7 +126,10 @@ def chat_body(body: Any, history: list[dict] = ()) -> tuple[dict, list[dict]]:
                        "send the input, or previous_response_id", name)
     if body.get("background"):
         raise _bad("background must be false or omitted", "background")
-    if body.get("reasoning") not in (None, {}):
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict):
+        reasoning = {k: v for k, v in reasoning.items() if v is not None}
+    if reasoning not in (None, {}):
         raise _bad("reasoning must be omitted: the run's model and sampling decide", "reasoning")
     text = body.get("text")
     if text not in (None, {}) and (not isinstance(text, dict)
@@ -127,6 +142,10 @@ def chat_body(body: Any, history: list[dict] = ()) -> tuple[dict, list[dict]]:
     unknown = sorted(set(body) - known)
     if unknown:
         raise _bad(f"unknown field {unknown[0]!r}", unknown[0])
+    limit = body.get("max_output_tokens")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise _bad(f"max_output_tokens must be an integer >= 1, got {limit!r}",
+                   "max_output_tokens")
     conversation = [*history, *_messages(body.get("input"))]
     messages = list(conversation)
     instructions = body.get("instructions")
@@ -147,13 +166,15 @@ def chat_body(body: Any, history: list[dict] = ()) -> tuple[dict, list[dict]]:
 
 
 class ResponseStore:
-    """The conversations of recent responses, for ``previous_response_id``: per (session,
-    response id), the chat messages the response continued (without the instructions) and its
-    reply as an assistant message; past ``capacity`` the least recently used are dropped."""
+    """The conversations of a proxy's recent responses, for ``previous_response_id``: per
+    session (dropped when it finishes) its latest ``per_session`` responses, each the chat
+    messages it continued (without the instructions) and its reply as an assistant message. A
+    response is reserved when its request starts (a request continuing it before it is done is
+    a 409) and kept only when ``store`` is not false."""
 
-    def __init__(self, capacity: int = 4096):
-        self.capacity = capacity
-        self._turns: OrderedDict[tuple[str, str], list[dict]] = OrderedDict()
+    def __init__(self, per_session: int = 16):
+        self.per_session = per_session
+        self._sessions: dict[str, OrderedDict[str, list[dict] | None]] = {}
 
     def history(self, session_id: str, body: Any) -> list[dict]:
         """The conversation ``body`` continues: ``[]`` without ``previous_response_id``."""
@@ -162,22 +183,39 @@ class ResponseStore:
             return []
         if not isinstance(previous, str):
             raise _bad("previous_response_id must be a string", "previous_response_id")
-        turn = self._turns.get((session_id, previous))
-        if turn is None:
+        turns = self._sessions.get(session_id, {})
+        if previous not in turns:
             raise ProxyError(404, f"previous_response_id {previous!r} is no response of session "
-                             f"{session_id} (the proxy keeps its latest {self.capacity})",
-                             "previous_response_id", "previous_response_not_found")
-        self._turns.move_to_end((session_id, previous))
-        return list(turn)
+                             f"{session_id} kept by the proxy (its latest {self.per_session}, "
+                             "stored ones)", "previous_response_id", "previous_response_not_found")
+        if turns[previous] is None:
+            raise ProxyError(409, f"previous_response_id {previous!r} is still in flight",
+                             "previous_response_id", "session_busy")
+        return list(turns[previous])
 
-    def remember(self, session_id: str, response_id: str, conversation: list[dict],
-                 reply: Reply) -> None:
+    def reserve(self, session_id: str, response_id: str) -> None:
+        turns = self._sessions.setdefault(session_id, OrderedDict())
+        turns[response_id] = None
+        while len(turns) > self.per_session:
+            turns.popitem(last=False)
+
+    def settle(self, session_id: str, response_id: str, conversation: list[dict] | None,
+               reply: Reply | None = None) -> None:
+        """Keep the finished response (``reply``), or forget it (``None``: failed, or not to be
+        stored)."""
+        turns = self._sessions.get(session_id)
+        if turns is None or response_id not in turns:
+            return
+        if reply is None:
+            del turns[response_id]
+            return
         message = {"role": "assistant", "content": reply.content}
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
-        self._turns[(session_id, response_id)] = [*conversation, message]
-        while len(self._turns) > self.capacity:
-            self._turns.popitem(last=False)
+        turns[response_id] = [*conversation, message]
+
+    def forget(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
 
 
 def response_of(response_id: str, reply: Reply, usage: dict, request: ChatRequest, body: dict,
@@ -187,7 +225,9 @@ def response_of(response_id: str, reply: Reply, usage: dict, request: ChatReques
     log-prob (the turn's, tool-call blocks included, as in chat completions)."""
     output: list[dict] = []
     logprobs = token_logprobs(chat_format, reply) if request.logprobs else None
-    if reply.content or logprobs:
+    # A turn without calls always has its message, empty or not: a harness that sends the
+    # output back then sends the turn the session holds.
+    if reply.content or logprobs is not None or not reply.tool_calls:
         part = {"type": "output_text", "text": reply.content or "", "annotations": []}
         if logprobs is not None:
             part["logprobs"] = logprobs
@@ -219,7 +259,7 @@ class _Events:
     """Server-sent events of the Responses API, numbered."""
 
     def __init__(self):
-        self.number = 0
+        self.number = -1
 
     def __call__(self, kind: str, **fields) -> str:
         self.number += 1
@@ -241,6 +281,7 @@ async def response_events(response_id: str, parts, request: ChatRequest, body: d
              "tools": body.get("tools") or []}
     where = {"item_id": message_id, "output_index": 0, "content_index": 0}
     yield event("response.created", response=start)
+    yield event("response.in_progress", response=start)
 
     def open_message() -> list[str]:
         part = {"type": "output_text", "text": "", "annotations": []}

@@ -124,7 +124,11 @@ def _tool_calls(raw: Any, param: str) -> tuple[list[dict], tuple]:
         if call_id is not None and not isinstance(call_id, str):
             raise _bad(f"{where}.id must be a string", f"{where}.id")
         render.append({"name": name, "arguments": arguments})
-        key.append((call_id, name, canonical_arguments(arguments)))
+        try:
+            key.append((call_id, name, canonical_arguments(arguments)))
+        except RecursionError:
+            raise _bad(f"{where}.function.arguments is nested too deeply",
+                       f"{where}.function.arguments") from None
     return render, tuple(key)
 
 
