@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrl_fast.harness.proxy import Proxy
-from agentrl_fast.harness.proxy_session import (ChatRequest, ProxyError, Reply, parse_request,
-                                                token_logprobs)
+from agentrl_fast.harness.proxy_session import (ChatRequest, ProxyError, Reply, internal_error,
+                                                parse_request, token_logprobs)
 from agentrl_fast.harness.proxy_responses import chat_body, response_events, response_of
 from agentrl_fast.harness.proxy_stream import ContentStream
 
@@ -64,13 +64,6 @@ def _fields(body: Any, allowed: tuple[str, ...], shape: str) -> dict:
     return body
 
 
-def _message(reply: Reply) -> dict:
-    message = {"role": "assistant", "content": reply.content}
-    if reply.tool_calls:
-        message["tool_calls"] = reply.tool_calls
-    return message
-
-
 def _logprobs(proxy: Proxy, request: ChatRequest, reply: Reply) -> dict | None:
     if not request.logprobs:
         return None
@@ -80,7 +73,7 @@ def _logprobs(proxy: Proxy, request: ChatRequest, reply: Reply) -> dict | None:
 def _completion(proxy: Proxy, request: ChatRequest, reply: Reply, usage: dict) -> dict:
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": proxy.model_name,
-            "choices": [{"index": 0, "message": _message(reply),
+            "choices": [{"index": 0, "message": reply.openai_message(),
                          "logprobs": _logprobs(proxy, request, reply),
                          "finish_reason": reply.finish_reason}],
             "usage": usage}
@@ -156,8 +149,7 @@ class _Stream:
             yield "error", error
             return
         except Exception as error:  # noqa: BLE001 - the stream ends with an error event
-            yield "error", ProxyError(500, f"internal error: {type(error).__name__}: "
-                                      f"{str(error)[:200]}")
+            yield "error", internal_error(error)
             return
         yield "reply", (reply, usage, rest)
 
@@ -215,8 +207,7 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
         except ProxyError as error:
             return _error(error)
         except Exception as error:  # noqa: BLE001 - the server answers and stays up
-            return _error(ProxyError(500, f"internal error: {type(error).__name__}: "
-                                     f"{str(error)[:200]}"))
+            return _error(internal_error(error))
 
     @app.post("/s/{session_id}/v1/chat/completions")
     async def chat_completions(session_id: str, request: Request):

@@ -209,13 +209,17 @@ class ResponseStore:
         if reply is None:
             del turns[response_id]
             return
-        message = {"role": "assistant", "content": reply.content}
-        if reply.tool_calls:
-            message["tool_calls"] = reply.tool_calls
-        turns[response_id] = [*conversation, message]
+        turns[response_id] = [*conversation, reply.openai_message()]
 
     def forget(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+
+
+def _head(response_id: str, body: dict, model: str) -> dict:
+    """The fields a response has from its start: what it is and what it was asked."""
+    return {"id": response_id, "object": "response", "created_at": int(time.time()),
+            "model": model, "parallel_tool_calls": True,
+            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or []}
 
 
 def response_of(response_id: str, reply: Reply, usage: dict, request: ChatRequest, body: dict,
@@ -238,14 +242,12 @@ def response_of(response_id: str, reply: Reply, usage: dict, request: ChatReques
                        "call_id": call["id"], "name": call["function"]["name"],
                        "arguments": call["function"]["arguments"], "status": "completed"})
     cut = reply.finish_reason == "length"
-    return {"id": response_id, "object": "response", "previous_response_id":
+    return {**_head(response_id, body, model), "previous_response_id":
             body.get("previous_response_id"),
-            "created_at": int(time.time()), "model": model,
             "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "error": None, "instructions": body.get("instructions"), "output": output,
-            "parallel_tool_calls": True, "tool_choice": body.get("tool_choice") or "auto",
-            "tools": body.get("tools") or [], "temperature": body.get("temperature"),
+            "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "max_output_tokens": request.max_tokens,
             "metadata": body.get("metadata") or {}, "store": False,
             "usage": {"input_tokens": usage["prompt_tokens"],
@@ -275,10 +277,7 @@ async def response_events(response_id: str, parts, request: ChatRequest, body: d
     ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``) with the
     whole response, or an ``error`` event."""
     event, message_id, text = _Events(), f"msg_{uuid.uuid4().hex}", None
-    start = {"id": response_id, "object": "response", "model": model,
-             "created_at": int(time.time()), "status": "in_progress", "output": [],
-             "parallel_tool_calls": True, "tool_choice": body.get("tool_choice") or "auto",
-             "tools": body.get("tools") or []}
+    start = {**_head(response_id, body, model), "status": "in_progress", "output": []}
     where = {"item_id": message_id, "output_index": 0, "content_index": 0}
     yield event("response.created", response=start)
     yield event("response.in_progress", response=start)

@@ -55,6 +55,11 @@ def _bad(message: str, param: str | None, code: str | None = None) -> ProxyError
     return ProxyError(400, message, param, code)
 
 
+def internal_error(error: Exception) -> ProxyError:
+    """The 500 a failure inside the proxy becomes (the server answers and stays up)."""
+    return ProxyError(500, f"internal error: {type(error).__name__}: {str(error)[:200]}")
+
+
 # -- canonical messages ---------------------------------------------------------------------------
 
 def _drop_nulls(value: Any) -> Any:
@@ -303,6 +308,13 @@ class Reply:
     tool_calls: list[dict]
     finish_reason: str
     message: Message
+
+    def openai_message(self) -> dict:
+        """The assistant message as the OpenAI API returns it (and a client sends it back)."""
+        message = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
 
 
 def token_logprobs(chat_format: ChatFormat, reply: Reply) -> list[dict]:

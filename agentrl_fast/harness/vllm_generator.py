@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from agentrl_fast.config.sampling import SamplingParams
 from agentrl_fast.harness.generation import Generation
@@ -66,6 +66,25 @@ class _Endpoint:
                 return ServerError(f"{self.server.name} exited with code {code} ({detail}); "
                                    f"log tail:\n{log_tail(self.server.log_path)}")
         return ServerError(f"vLLM server {self.base_url} stopped answering: {detail}")
+
+
+async def _reconnecting(endpoint: _Endpoint, call: Callable[[], Awaitable[Any]],
+                        again: Callable[[], bool] = lambda: True) -> Any:
+    """``await call()``, tried again when its connection failed (a kept-alive connection the
+    server closed as it was reused fails once) while ``again()``; a server that keeps failing,
+    or exited, is gone (:class:`ServerError`). Timeouts are the caller's to retry or not."""
+    import httpx
+
+    for attempt in range(_CONNECTION_TRIES):
+        try:
+            return await call()
+        except httpx.TimeoutException:  # a TransportError too
+            raise
+        except httpx.TransportError as error:
+            if not again() or endpoint.exited() or attempt == _CONNECTION_TRIES - 1:
+                raise endpoint.dead_error(f"{type(error).__name__}: {error}") from None
+            await asyncio.sleep(0.25 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _refusal(endpoint: _Endpoint, request: str, response) -> Exception:
@@ -159,21 +178,8 @@ class VLLMGenerator:
 
     async def _request(self, endpoint: _Endpoint, method: str, path: str,
                        body: Any = None, timeout: float | None = None):
-        import httpx
-
-        for attempt in range(_CONNECTION_TRIES):
-            try:
-                response = await self._client.request(method, endpoint.base_url + path,
-                                                       json=body, timeout=timeout or self.timeout)
-                break
-            except httpx.TimeoutException:
-                raise
-            except httpx.TransportError as error:
-                # A kept-alive connection the server closed as it was reused fails once;
-                # a server that keeps failing is gone.
-                if endpoint.exited() or attempt == _CONNECTION_TRIES - 1:
-                    raise endpoint.dead_error(f"{type(error).__name__}: {error}") from None
-                await asyncio.sleep(0.25 * (attempt + 1))
+        response = await _reconnecting(endpoint, lambda: self._client.request(
+            method, endpoint.base_url + path, json=body, timeout=timeout or self.timeout))
         if response.status_code >= 400:
             raise _refusal(endpoint, f"{method} {path}", response)
         return response.json() if response.content else None
@@ -293,18 +299,9 @@ class VLLMGenerator:
         """``/v1/completions`` as server-sent events: each event's ids go to ``on_ids`` (and
         onto ``told``) as it arrives; returns the reply a plain request would have. A failed
         connection is tried again (as :meth:`_request` does) while nothing was told."""
-        import httpx
-
-        for attempt in range(_CONNECTION_TRIES):
-            try:
-                return await self._stream_once(endpoint, body, on_ids, told)
-            except httpx.TimeoutException:  # a TransportError too: the caller's to retry or not
-                raise
-            except httpx.TransportError as error:
-                if told or endpoint.exited() or attempt == _CONNECTION_TRIES - 1:
-                    raise endpoint.dead_error(f"{type(error).__name__}: {error}") from None
-                await asyncio.sleep(0.25 * (attempt + 1))
-        raise AssertionError("unreachable")
+        return await _reconnecting(endpoint,
+                                   lambda: self._stream_once(endpoint, body, on_ids, told),
+                                   again=lambda: not told)
 
     async def _stream_once(self, endpoint: _Endpoint, body: dict,
                            on_ids: Callable[[list[int]], None], told: list[int]) -> dict:
