@@ -8,7 +8,7 @@ shapes and ``wgmma.wait_group`` depths. Static counts (after unrolling), not tim
                                                            # at bf16/fp16, D 64 and 128
 
 Run it under the triton to measure (the GPU machine's: ``~/.cache/agentrl_fast/side-envs/
-triton36/bin/python``); it imports only triton and ``kernels/`` through ``tests/triton_aot.py``.
+triton36/bin/python``); it imports only triton and ``agentrl_fast/kernels/`` through ``tests/triton_aot.py``.
 """
 
 import collections

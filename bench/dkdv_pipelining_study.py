@@ -7,7 +7,7 @@ and, with ``--before REV``, for those of commit REV side by side (no GPU; no tim
         --before fedec3a --out bench/results/dkdv_pipelining.md
 
 Run it under the triton to study (the GPU machine's is the triton 3.6 side environment); it
-imports only triton and ``kernels/`` (``--kernels DIR``: another copy of that folder). The
+imports only triton and ``agentrl_fast/kernels/`` (``--kernels DIR``: another copy of that folder). The
 per-configuration counts come from ``bench/attention_instruction_mix.py``'s ``mix``.
 """
 
@@ -71,12 +71,17 @@ def cell(row: dict | None) -> str:
 
 
 def before_rows(rev: str, args) -> dict:
-    """The same study on ``kernels/`` of commit ``rev`` (a child process, its own modules)."""
+    """The same study on the kernels of commit ``rev`` (a child process, its own modules)."""
+    # The kernels moved from kernels/ to agentrl_fast/kernels/ (issue 42); older commits have
+    # the first.
+    folder = next(name for name in ("agentrl_fast/kernels", "kernels")
+                  if subprocess.run(["git", "cat-file", "-e", f"{rev}:{name}"], cwd=ROOT,
+                                    capture_output=True).returncode == 0)
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "archive", rev, "kernels"], cwd=ROOT, check=True,
+        archive = subprocess.run(["git", "archive", rev, folder], cwd=ROOT, check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        out = subprocess.run([sys.executable, __file__, "--kernels", f"{tmp}/kernels", "--json",
+        out = subprocess.run([sys.executable, __file__, "--kernels", f"{tmp}/{folder}", "--json",
                               "--dtype", args.dtype, "--stages", *map(str, args.stages)],
                              check=True, capture_output=True, text=True).stdout
     return {row["name"]: row for row in map(json.loads, out.splitlines())}
@@ -99,8 +104,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--kernels", help="another kernels/ folder to compile")
-    parser.add_argument("--before", help="also compile kernels/ of this commit (left of ->)")
+    parser.add_argument("--kernels", help="another agentrl_fast/kernels/ folder to compile")
+    parser.add_argument("--before", help="also compile agentrl_fast/kernels/ of this commit (left of ->)")
     parser.add_argument("--json", action="store_true", help="print rows as JSON lines only")
     parser.add_argument("--out", help="write the table (and the command) here")
     args = parser.parse_args()

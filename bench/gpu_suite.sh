@@ -12,7 +12,7 @@
 # Files in OUT_DIR: summary.txt (one line per stage), preflight.txt, build.log, warm.log,
 # bench.log (every benchmark's output, the tuning sweep's too), tune.md and tuned_configs.json
 # (the sweep's choices, which the later stages use: commit the file as
-# kernels/tuned_configs.json), rows.jsonl (every benchmark's rows; a benchmark cut off
+# agentrl_fast/kernels/tuned_configs.json), rows.jsonl (every benchmark's rows; a benchmark cut off
 # midway leaves its rows in <op>.jsonl), tests.log, sanitize.log. Exit status: non-zero when a
 # stage failed or timed out. A stage whose modules the preflight could not import is skipped
 # with the reason (not a failure of the suite); a stage with under 10 s of the suite left is
@@ -148,12 +148,12 @@ bench() {  # bench OP ARGS...: bench/bench_OP.py; its rows move to rows.jsonl wh
 
 tune() {
   # The tuning sweep (bench/tune_kernels.py): on the GPU its choices go to
-  # kernels/tuned_configs.json, where the ops read them, so the stages after it use them.
+  # agentrl_fast/kernels/tuned_configs.json, where the ops read them, so the stages after it use them.
   "$PYTHON" bench/tune_kernels.py --device "$DEVICE" $TINY_FLAG --budget $(( STAGE_CAP - 10 )) \
     --out-dir "$OUT"
   local rc=$?
   if [ -f "$OUT/tune.jsonl" ]; then cat "$OUT/tune.jsonl" >> "$OUT/rows.jsonl" && rm "$OUT/tune.jsonl"; fi
-  if [ "$DEVICE" = cuda ] && [ -f kernels/tuned_configs.json ]; then cp kernels/tuned_configs.json "$OUT/"; fi
+  if [ "$DEVICE" = cuda ] && [ -f agentrl_fast/kernels/tuned_configs.json ]; then cp agentrl_fast/kernels/tuned_configs.json "$OUT/"; fi
   return $rc
 }
 

@@ -91,7 +91,7 @@ def report(runs: list, commit: str, command: str) -> str:
         "no GPU: ahead-of-time compiles by `tests/triton_aot.py` (`GPUTarget(\"cuda\", 90, 32)`; "
         "registers and spills from the ptxas `-v` report of triton's compile). Regenerate with:",
         "", f"    {command}", "",
-        "Every configuration a launcher can pick (`aot_specs()` in `kernels/*.py`), compiled with "
+        "Every configuration a launcher can pick (`aot_specs()` in `agentrl_fast/kernels/*.py`), compiled with "
         "the launch hints of a typical launch on the GPU: every pointer and the integer arguments "
         "below divisible by 16 (`tt.divisibility`), those equal to 1 as constants (as triton's "
         "launcher specialises them).", "",

@@ -1,6 +1,6 @@
 """The tuning sweep: block sizes, warps and stages of the Triton attention forward and backward
 and of ``token_logprobs``, timed on this GPU; the fastest configuration of each launch is
-written where the ops read it (``kernels/tuned.py``: ``kernels/tuned_configs.json``, keyed by
+written where the ops read it (``agentrl_fast/kernels/tuned.py``: ``agentrl_fast/kernels/tuned_configs.json``, keyed by
 the GPU's name; commit that file).
 
     python bench/tune_kernels.py [--device cuda|cpu] [--tiny] [--budget 60] [--out-dir DIR]
@@ -71,7 +71,7 @@ EXTRA = {
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    op: str     # kernels/tuned.py's op name
+    op: str     # agentrl_fast/kernels/tuned.py's op name
     key: str    # its key (the aot spec's suffix)
     kind: str   # "attention_forward" | "attention_backward" | "token_logprobs"
     head_dim: int = 64

@@ -1,5 +1,5 @@
 """The build: the native ops are registered with the schemas the rest of the project relies on,
-the CUDA kernels are there when the build says so, and kernels/ stays free of torch."""
+the CUDA kernels are there when the build says so, and agentrl_fast/kernels/ stays free of torch."""
 
 import subprocess
 import sys
@@ -59,7 +59,7 @@ def test_opcheck_gae():
 
 
 def test_kernels_package_imports_triton_only():
-    # kernels/ must compile ahead of time in an environment without torch.
+    # agentrl_fast/kernels/ must compile ahead of time in an environment without torch.
     # Loaded as tests/triton_aot.py loads them: a package of their own, by path.
     code = (
         "import sys\n"
@@ -67,7 +67,7 @@ def test_kernels_package_imports_triton_only():
         "import triton_aot\n"
         "modules = triton_aot.load_kernel_modules()\n"
         "assert len(modules) >= 4, modules\n"
-        "assert 'torch' not in sys.modules, 'kernels/ imported torch'\n"
+        "assert 'torch' not in sys.modules, 'agentrl_fast/kernels/ imported torch'\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -77,7 +77,7 @@ def test_kernels_package_imports_triton_only():
 def test_kernels_are_installed_as_agentrl_fast_kernels():
     import agentrl_fast.kernels.ppo_loss as ppo_loss
 
-    assert Path(ppo_loss.__file__).resolve().parent == ROOT / "kernels"
+    assert Path(ppo_loss.__file__).resolve().parent == ROOT / "agentrl_fast" / "kernels"
     assert ppo_loss.__name__ == "agentrl_fast.kernels.ppo_loss" and callable(ppo_loss.aot_specs)
 
 

@@ -93,7 +93,7 @@ def test_unknown_stage_in_only_is_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The preflight's module lists against the sources.
 
-LOCAL_PACKAGES = ("agentrl_fast", "bench", "kernels", "tests")
+LOCAL_PACKAGES = ("agentrl_fast", "bench", "tests")
 OPTIONAL_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
 
 
@@ -139,7 +139,7 @@ def _imports(path: Path) -> list[tuple[str, int]]:
 
 
 def _local_file(module: str, level: int, importer: Path) -> Path | None:
-    """Our own source file for ``module`` (agentrl_fast, kernels, bench, a tests/ helper)."""
+    """Our own source file for ``module`` (agentrl_fast, bench, a tests/ helper)."""
     if level:
         package = importer.parent
         for _ in range(level - 1):
@@ -147,9 +147,7 @@ def _local_file(module: str, level: int, importer: Path) -> Path | None:
         parts, base = module.split(".") if module else [], package
     else:
         parts = module.split(".")
-        if parts[0] == "agentrl_fast" and parts[1:2] == ["kernels"]:
-            base, parts = ROOT / "kernels", parts[2:]
-        elif parts[0] in LOCAL_PACKAGES:
+        if parts[0] in LOCAL_PACKAGES:
             base, parts = ROOT / parts[0], parts[1:]
         else:
             base = importer.parent  # a sibling script's helper (tests' "import background")

@@ -1,7 +1,7 @@
 """Triton kernels: compiled ahead of time for sm_90 under every triton at hand, and run on the
 CPU by the interpreter in child processes.
 
-- AOT: ``tests/triton_aot.py`` compiles every configuration of ``kernels/*.py`` (``aot_specs()``)
+- AOT: ``tests/triton_aot.py`` compiles every configuration of ``agentrl_fast/kernels/*.py`` (``aot_specs()``)
   for sm_90 with no GPU, with the launch hints a GPU launch gets, and fails on compile errors,
   spills its spec does not allow, or shared memory over the sm_90 limit; the hot attention
   forwards must not spill and, in bf16, must use wgmma. It runs under this process's triton and
@@ -33,7 +33,7 @@ INTERPRET_FILES = sorted(p.name for p in (TESTS / "interpret").glob("test_*.py")
 
 
 def _shipped_kernel_modules():
-    return [p for p in (ROOT / "kernels").glob("*.py") if "def aot_specs" in p.read_text()]
+    return [p for p in (ROOT / "agentrl_fast" / "kernels").glob("*.py") if "def aot_specs" in p.read_text()]
 
 
 def _aot_command(python) -> Command:

@@ -1,4 +1,4 @@
-"""The tuning sweep's hand-off (kernels/tuned.py): a tuned configuration is what the kernels'
+"""The tuning sweep's hand-off (agentrl_fast/kernels/tuned.py): a tuned configuration is what the kernels'
 configuration functions return on its GPU only, a stale one (other parameters) is ignored, the
 AOT compile list gains every tuned configuration and the sweep's extra candidates, and the
 sweep's candidates move one parameter at a time (then its extras). The kernels are loaded by

@@ -1,14 +1,14 @@
 """Compile every shipped Triton kernel configuration for sm_90 (H100/H200) ahead of time, with
 the specialisation a launch on the GPU gets.
 
-Runs with no GPU and no torch (it imports only triton and ``kernels/``), so it can run under
+Runs with no GPU and no torch (it imports only triton and ``agentrl_fast/kernels/``), so it can run under
 any triton version in a side environment: ``python tests/triton_aot.py``. Each module
-``kernels/<op>.py`` that ships kernels defines ``aot_specs()``, yielding dicts
+``agentrl_fast/kernels/<op>.py`` that ships kernels defines ``aot_specs()``, yielding dicts
 
     {"name": str, "fn": <@triton.jit function>, "signature": {arg: "*fp32" | "i32" | ... |
      "constexpr"}, "constexprs": {arg: value}, "num_warps": int, "num_stages": int,
      "allow_spills": bool (optional, default False),
-     "tuning": (op, key) (optional: kernels/tuned.py's name of its launch, whose tuned
+     "tuning": (op, key) (optional: agentrl_fast/kernels/tuned.py's name of its launch, whose tuned
                configurations are compiled too),
      "hints": {"divisible_by_16": [int arg, ...], "equal_to_1": [int arg, ...]} (optional)}
 
@@ -49,7 +49,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "agentrl_fast" / "kernels"
 TARGET = GPUTarget("cuda", 90, 32)
 # Shared memory one block may use on sm_90 (H100/H200), opted in: 227 KB.
 SM90_SHARED_BYTES = 232448
@@ -61,7 +61,7 @@ def ptxas_path() -> Path:
 
 
 def load_kernel_modules():
-    """kernels/*.py loaded by path (as the package agentrl_fast.kernels would be, without torch)."""
+    """agentrl_fast/kernels/*.py loaded by path (as the package agentrl_fast.kernels would be, without torch)."""
     package = "agentrl_fast_kernels_aot"
     spec = importlib.util.spec_from_file_location(package, KERNELS / "__init__.py",
                                                   submodule_search_locations=[str(KERNELS)])
@@ -298,7 +298,7 @@ def _variant(spec: dict, config: dict, name: str) -> dict | None:
 
 def with_tuned_variants(specs: list[dict], tuned) -> list[dict]:
     """``specs`` plus, for each spec with a ``tuning`` key ``(op, key)``, one spec per
-    configuration the tuning sweep wrote for it (``kernels/tuned.py``, any GPU): the launcher
+    configuration the tuning sweep wrote for it (``agentrl_fast/kernels/tuned.py``, any GPU): the launcher
     may pick those too. A tuned config's ``num_warps`` / ``num_stages`` replace the spec's, its
     other entries the constexprs of the same name; one without ``num_warps`` (every sweep's
     has it) or naming anything else is ignored."""

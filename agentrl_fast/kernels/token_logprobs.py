@@ -37,7 +37,7 @@ LOGIT_DTYPES = ("bf16", "fp16", "fp32")
 
 def block_config(vocab_size: int) -> tuple[int, int]:
     """``(BLOCK_V, num_warps)`` the launcher uses for a vocabulary of ``vocab_size``: the range's
-    default, or the tuning sweep's for this GPU (``kernels/tuned.py``, key ``block<default>``)."""
+    default, or the tuning sweep's for this GPU (``agentrl_fast/kernels/tuned.py``, key ``block<default>``)."""
     for limit, block_v, num_warps in BLOCK_CONFIGS:
         if limit is None or vocab_size < limit:
             config = tuned("token_logprobs", f"block{block_v}",

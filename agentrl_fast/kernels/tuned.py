@@ -42,7 +42,7 @@ def _load(path: str) -> dict:
 
 def device_name() -> str | None:
     """The current CUDA device's name, or None (no CUDA, or the Triton interpreter)."""
-    torch = sys.modules.get("torch")  # kernels/ imports triton only (the AOT side environment)
+    torch = sys.modules.get("torch")  # agentrl_fast/kernels/ imports triton only (the AOT side environment)
     if torch is None or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     if not torch.cuda.is_available():

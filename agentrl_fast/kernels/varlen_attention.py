@@ -68,7 +68,7 @@ def padded_head_dim(head_dim: int) -> int:
 def forward_config(dtype: str, head_dim: int) -> dict:
     """Launch configuration of the forward for ``dtype`` ("bf16", "fp16", "fp32") and
     ``head_dim``: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; the tuning sweep's
-    for this GPU where it wrote one (``kernels/tuned.py``), else the defaults below."""
+    for this GPU where it wrote one (``agentrl_fast/kernels/tuned.py``), else the defaults below."""
     padded = padded_head_dim(head_dim)
     return tuned("varlen_attention_forward", f"{dtype}_d{padded}",
                  default_forward_config(dtype, padded))

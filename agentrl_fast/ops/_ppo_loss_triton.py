@@ -1,5 +1,5 @@
 """The Triton path of ``ppo_loss`` and ``value_loss``: launchers of the kernels of
-``kernels/ppo_loss.py`` (preallocated outputs, so the interpreter tests can poison them) and the
+``agentrl_fast/kernels/ppo_loss.py`` (preallocated outputs, so the interpreter tests can poison them) and the
 registered ops around them (``torch.library.custom_op`` with fakes and autograd, so
 ``torch.compile`` traces them). The kernels compute in float32; arguments are checked by the
 caller. triton is imported on the first launch, not with this module."""
@@ -11,7 +11,7 @@ import torch
 from agentrl_fast.ops._loss_checks import KL_ESTIMATORS, PPOOptions
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Metric names, in the order of the Triton kernel's metrics columns (kernels/ppo_loss.py).
+# Metric names, in the order of the Triton kernel's metrics columns (agentrl_fast/kernels/ppo_loss.py).
 PPO_METRICS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "action_tokens", "pg_clipfrac_upper",
                "pg_clipfrac_lower", "pg_clipfrac_dual", "approx_kl", "ratio_mean", "ratio_max",
                "kl_mean", "entropy_mean")

@@ -1,5 +1,5 @@
 """The Triton path of ``token_logprobs``: launchers of the row kernels of
-``kernels/token_logprobs.py``, writing into preallocated outputs (so the tests can poison them).
+``agentrl_fast/kernels/token_logprobs.py``, writing into preallocated outputs (so the tests can poison them).
 triton is imported on the first launch, not with this module; arguments are checked by the
 caller."""
 

@@ -10,7 +10,7 @@
 
 This module holds the public functions and the backend choice; the argument checks are in
 ``_loss_checks``, the weights in ``_loss_aggregation``. Backends: plain torch (autograd,
-``_ppo_loss_torch``) for CPU tensors; the Triton kernels of ``kernels/ppo_loss.py``
+``_ppo_loss_torch``) for CPU tensors; the Triton kernels of ``agentrl_fast/kernels/ppo_loss.py``
 (``_ppo_loss_triton``) for CUDA tensors and for CPU tensors when ``TRITON_INTERPRET=1`` (the
 interpreter tests), declared as ``torch.library.custom_op`` s with fakes so ``torch.compile``
 traces them. The kernels compute in float32, so float64 ``logprobs`` / ``values`` always take

@@ -13,7 +13,7 @@ whose label is ``ignore_index`` give 0 for both and no gradient.
 
 Backends (``backend=``):
 
-- ``"triton"``: the kernels of ``kernels/token_logprobs.py`` (one pass over the vocabulary with
+- ``"triton"``: the kernels of ``agentrl_fast/kernels/token_logprobs.py`` (one pass over the vocabulary with
   an online log-sum-exp forward, one pass backward); CUDA, or CPU tensors when
   ``TRITON_INTERPRET=1`` (how the tests run them).
 - ``"torch"``: plain torch in float32, row-chunked (the CPU path).

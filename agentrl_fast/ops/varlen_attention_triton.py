@@ -1,5 +1,5 @@
 """The ``"triton"`` backend of ``varlen_attention``: launches the kernels of
-``agentrl_fast.kernels.varlen_attention`` (``kernels/varlen_attention.py``).
+``agentrl_fast.kernels.varlen_attention`` (``agentrl_fast/kernels/varlen_attention.py``).
 
 ``BACKEND`` is ``Backend("triton", "op", ...)``, which ``varlen_attention`` registers. Its
 ``forward`` and ``backward`` write into the preallocated outputs they are given (``out[T, Hq, D]``,
@@ -56,7 +56,7 @@ except Exception as error:  # noqa: BLE001 - a broken triton must not break the 
     triton = kernels = None
     _IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
-# triton reads TRITON_INTERPRET when a kernel is defined, i.e. when kernels/ was imported.
+# triton reads TRITON_INTERPRET when a kernel is defined, i.e. when agentrl_fast/kernels/ was imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}

@@ -1,4 +1,4 @@
-"""The Triton path of ppo_loss / value_loss (kernels/ppo_loss.py) under TRITON_INTERPRET=1:
+"""The Triton path of ppo_loss / value_loss (agentrl_fast/kernels/ppo_loss.py) under TRITON_INTERPRET=1:
 the same checks as tests/test_ppo_loss.py (float64 references, every mode, gradients, masked
 tokens, micro-batches), plus launchers writing every element of NaN-poisoned outputs, several
 kernel programs and finalize row chunks, the registered ops' opcheck, float64 inputs going to

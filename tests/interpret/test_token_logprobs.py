@@ -2,7 +2,7 @@
 (run by ``tests/test_triton_kernels.py`` in a child process): the same checks as the CPU tests,
 through ``backend="triton"``, on small shapes (the interpreter is slow).
 
-Vocabularies below 16384 use BLOCK_V = 1024 (kernels/token_logprobs.py), so V = 777 and 1000 are
+Vocabularies below 16384 use BLOCK_V = 1024 (agentrl_fast/kernels/token_logprobs.py), so V = 777 and 1000 are
 one partial block; V = 5000 and the launcher's ``block_v=128`` override walk several blocks with
 a partial last one.
 """

@@ -160,7 +160,7 @@ def test_softmax_scale(softmax_scale):
     ("varlen_attention_backward", dict(BLOCK=16, STEP=64, num_warps=4, num_stages=1)),
     ("varlen_attention_backward_dq", dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1))])
 def test_any_block_shape_computes_the_same_function(op, config):
-    """A tuned configuration (kernels/tuned.py) may pair any block sizes: query tiles smaller
+    """A tuned configuration (agentrl_fast/kernels/tuned.py) may pair any block sizes: query tiles smaller
     or larger than key blocks give the float64 reference's results, in both backwards."""
     from agentrl_fast.kernels import tuned
 
