@@ -111,14 +111,10 @@ from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from bench import common  # noqa: E402  (bench/ is a namespace package: no __init__.py)
-from bench.bench_generation import (DEFAULT_VLLM_PYTHON, QUIET_CORES, OtherLoad,  # noqa: E402
+import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
+from bench_generation import (DEFAULT_VLLM_PYTHON, QUIET_CORES, OtherLoad,  # noqa: E402
                                     machine_note, vllm_version)
-from bench.bench_rollout import TimedVaultEnvironment, ToolClock  # noqa: E402
+from bench_rollout import TimedVaultEnvironment, ToolClock  # noqa: E402
 from agentrl_fast.config import RunConfig  # noqa: E402
 from agentrl_fast.harness import (RolloutEngine, ScriptedGenerator, TorchGenerator,  # noqa: E402
                                   VLLMGenerator, VLLMServer, expert_action)

@@ -19,15 +19,10 @@ Usage (from the repository root)::
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from bench import common  # noqa: E402
+import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
 from agentrl_fast.ops.fused_layers import rms_norm, swiglu  # noqa: E402
 
 SHAPES = {"rms_norm": [(16384, 64), (65536, 16), (4096, 1024)],

@@ -25,19 +25,13 @@ Usage (from the repository root)::
 
 import argparse
 import math
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from bench import common  # noqa: E402  (bench/ is a namespace package: no __init__.py)
+import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
 from agentrl_fast.ops.gae import gae  # noqa: E402
 from agentrl_fast.ops.reference import gae_reference  # noqa: E402
 

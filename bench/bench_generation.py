@@ -75,11 +75,7 @@ from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from bench import common  # noqa: E402  (bench/ is a namespace package: no __init__.py)
+import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
 from agentrl_fast.config import RunConfig  # noqa: E402
 from agentrl_fast.config.sampling import SamplingParams  # noqa: E402
 from agentrl_fast.harness import (RolloutEngine, ScriptedGenerator, TorchGenerator,  # noqa: E402

@@ -32,11 +32,8 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agentrl_fast.config import RunConfig, apply_overrides  # noqa: E402
 from agentrl_fast.harness import RolloutEngine, TorchGenerator  # noqa: E402

@@ -23,17 +23,11 @@ Usage (from the repository root)::
 """
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from bench import common  # noqa: E402
+import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
 from agentrl_fast.ops.ppo_loss import ppo_loss  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

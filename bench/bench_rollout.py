@@ -56,18 +56,13 @@ import functools
 import inspect
 import os
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from bench import common  # noqa: E402  (bench/ is a namespace package: no __init__.py)
+import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
 from agentrl_fast.harness import ChatFormat, build_tokenizer  # noqa: E402
 from agentrl_fast.harness.generation import (Generation, SamplingParams,  # noqa: E402
                                              ScriptedGenerator, TorchGenerator)

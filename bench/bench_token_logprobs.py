@@ -35,17 +35,11 @@ Usage (from the repository root)::
 
 import argparse
 import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from bench import common  # noqa: E402
+import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
 from agentrl_fast.ops.reference import (  # noqa: E402
     linear_token_logprobs_reference, token_logprobs_reference)
 from agentrl_fast.ops.token_logprobs import linear_token_logprobs, token_logprobs  # noqa: E402

@@ -59,17 +59,12 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from bench import common  # noqa: E402  (bench/ is a namespace package: no __init__.py)
+import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
 from agentrl_fast.ops.reference import varlen_attention_reference  # noqa: E402
 from agentrl_fast.ops.varlen_attention import (available_backends, resolve_backend,  # noqa: E402
                                                varlen_attention)

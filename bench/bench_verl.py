@@ -3,7 +3,7 @@
 Runs in the verl side environment (verl is not a dependency of the main one)::
 
     bash tools/setup_test_env.sh verl
-    PYTHONPATH=. ~/.cache/agentrl_fast/side-envs/verl/bin/python bench/bench_verl.py [--tiny]
+    ~/.cache/agentrl_fast/side-envs/verl/bin/python bench/bench_verl.py [--tiny]
 
 Providers, in one process, on the same padded ``[B, L]`` tensors (float32, multi-turn response
 masks: right padding plus holes where tool responses sit), each checked against verl's before
@@ -21,17 +21,11 @@ Mixes: "many-short" (4096 x 512) and "long-tail" (64 sequences, lengths log-unif
 """
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from bench import common  # noqa: E402
-from bench.bench_gae import mix_lengths  # noqa: E402
+import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
+from bench_gae import mix_lengths  # noqa: E402
 
 
 def padded_batch(lengths: list[int], seed: int) -> dict:

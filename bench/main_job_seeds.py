@@ -28,10 +28,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from bench import common  # noqa: E402  (bench/ is a namespace package)
+import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
 
 
 def matmul_gflops(size: int = 1024) -> float:

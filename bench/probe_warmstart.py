@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from agentrl_fast.config import RunConfig, apply_overrides  # noqa: E402
 from agentrl_fast.train.run import build, expert_demonstrations, warm_start  # noqa: E402
 

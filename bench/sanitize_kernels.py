@@ -26,16 +26,12 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 if __name__ == "__main__":  # before torch initializes CUDA
     os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 
 import torch  # noqa: E402
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 from agentrl_fast.ops import (gae, linear_token_logprobs, ppo_loss, token_logprobs,  # noqa: E402
                               value_loss, varlen_attention)

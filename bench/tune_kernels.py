@@ -40,8 +40,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 # Values tried per parameter (one parameter moved at a time from the default).
 VALUES = {"BLOCK_M": (32, 64, 128), "BLOCK_N": (32, 64, 128), "BLOCK": (32, 64, 128),
@@ -129,7 +127,7 @@ def make_run(target: Target, device: str, tiny: bool):
 
     dev = torch.device(device)
     if target.kind.startswith("attention"):
-        from bench import bench_varlen_attention as b
+        import bench_varlen_attention as b
         from agentrl_fast.ops.varlen_attention import varlen_attention
 
         sizes = dataclasses.replace(b.SIZES["tiny" if tiny else "cuda"], head_dim=target.head_dim)
@@ -148,7 +146,7 @@ def make_run(target: Target, device: str, tiny: bool):
                                        backend="triton")
                 out.backward(inst["dout"])
         return run
-    from bench import bench_token_logprobs as b
+    import bench_token_logprobs as b
 
     rows = 8 if tiny else 4096
     vocab = 64 if tiny else target.vocab
@@ -200,7 +198,7 @@ def precompile(jobs: list[tuple], seconds: float) -> None:
 
 def sweep(args) -> tuple[list, dict]:
     """``(rows, choices)``: a row per candidate timed, the chosen configuration per launch."""
-    from bench import common
+    import common
     import torch
 
     start = time.monotonic()
@@ -267,7 +265,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before agentrl_fast.kernels is imported
-    from bench import common
+    import common
     from agentrl_fast.kernels import tuned
 
     out_dir = Path(args.out_dir) if args.out_dir else common.RESULTS

@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 # (op, dtype name, options): the benchmarks' launches, then the attention GPU tests' grid
 # (tests/test_varlen_attention.py's TRITON_GPU_GRID, by index: the same shapes, so the same
@@ -34,7 +32,7 @@ JOBS = (
 
 
 def _attention_bench(device, dtype, options):
-    from bench import bench_varlen_attention as b
+    import bench_varlen_attention as b
 
     sizes = b.SIZES["cuda" if device.type == "cuda" else "tiny"]
     inst = b.make_instance("warm", [96, 160], sizes, device, dtype, True, 0)
@@ -42,7 +40,7 @@ def _attention_bench(device, dtype, options):
 
 
 def _token_logprobs_bench(device, dtype, options):
-    from bench import bench_token_logprobs as b
+    import bench_token_logprobs as b
 
     vocab, hidden = (151936, 4096) if device.type == "cuda" else (1024, 64)
     b.step(b.linear_ours if options["linear"] else b.ours,
@@ -50,7 +48,7 @@ def _token_logprobs_bench(device, dtype, options):
 
 
 def _ppo_loss_bench(device, dtype, options):
-    from bench import bench_ppo_loss as b
+    import bench_ppo_loss as b
 
     b.step(b.ours, b.make_inputs(4096, device, dtype, 0))
 

@@ -2,6 +2,7 @@
 ``tools/setup_test_env.sh`` from ``tools/side-envs/NAME.txt``): where they live and the rule for
 a missing one (under ``CI=true`` the test fails, elsewhere it skips naming the script)."""
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "tools" / "side-envs"
 SETUP = "tools/setup_test_env.sh"
+TOOL = ROOT / "tools" / "side_env.py"
 
 
 def side_envs_home() -> Path:
@@ -19,11 +21,11 @@ def side_envs_home() -> Path:
 
 
 def wanted_requirements(name: str) -> str:
-    """What the script stores in a built environment: ``NAME.txt`` then ``NAME.post.sh`` (the
-    install and what runs after it), trailing newlines dropped."""
-    post = SPECS / f"{name}.post.sh"
-    text = (SPECS / f"{name}.txt").read_text() + (post.read_text() if post.is_file() else "")
-    return text.rstrip("\n")
+    """What the script stores in a built environment: its reuse key (``tools/side_env.py``)."""
+    spec = importlib.util.spec_from_file_location("agentrl_fast_side_env", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool.key(name)
 
 
 def find_side_env(name: str) -> tuple[Path | None, str]:

@@ -21,7 +21,7 @@ from agentrl_fast.train.distributed import DistributedConfig, World
 from agentrl_fast.train.packing import balanced_partition
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def torchrun(ranks: int, *args, timeout=240, **popen):

@@ -22,7 +22,7 @@ from side_envs import side_env_python  # noqa: E402
 
 def test_grpo_step_with_our_logprobs_matches_trl():
     python = side_env_python("trl")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([str(python), __file__], cwd=ROOT, env=env, timeout=240,
                           capture_output=True, text=True)
     report = done.stdout + "\n" + done.stderr[-8000:]

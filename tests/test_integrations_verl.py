@@ -32,7 +32,7 @@ GROUPS = ("lazy", "registries", "override", "actor")  # lazy first: before verl 
 def side_env_report() -> str:
     """Output of every check group, run in one side-environment process (verl imports once)."""
     python = side_env_python("verl")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([str(python), __file__, *GROUPS], cwd=ROOT, env=env, timeout=240,
                           capture_output=True, text=True)
     return done.stdout + "\n" + done.stderr[-8000:]

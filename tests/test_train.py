@@ -362,7 +362,7 @@ def run_training(tmp, name, steps, kill_after_lines=None):
     script.write_text(TRAIN_SCRIPT.format(tests=str(ROOT / "tests")))
     out = tmp / f"{name}.jsonl"
     args = [sys.executable, str(script), str(steps), str(tmp / f"{name}-ckpt"), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     if kill_after_lines is None:
         result = subprocess.run(args, check=True, cwd=ROOT, env=env, timeout=300,
                                 capture_output=True, text=True)

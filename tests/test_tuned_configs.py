@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import triton_aot  # noqa: E402
 
@@ -92,7 +92,7 @@ def test_tuned_write_merges(tmp_path):
 
 
 def test_sweep_candidates_move_one_parameter_at_a_time():
-    from bench.tune_kernels import candidates
+    from tune_kernels import candidates
 
     default = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     got = candidates(default)
@@ -104,7 +104,7 @@ def test_sweep_candidates_move_one_parameter_at_a_time():
 
 
 def test_sweep_skips_and_extra_candidates():
-    from bench import tune_kernels
+    import tune_kernels
 
     target = next(t for t in tune_kernels.TARGETS
                   if (t.op, t.key) == ("varlen_attention_backward", "bf16_d128"))
@@ -127,7 +127,7 @@ def test_sweep_skips_and_extra_candidates():
 
 
 def test_aot_compiles_the_sweep_extras():
-    from bench import tune_kernels
+    import tune_kernels
 
     modules = {m.__name__.rsplit(".", 1)[-1]: m for m in triton_aot.load_kernel_modules()}
     specs = list(modules["varlen_attention"].aot_specs())

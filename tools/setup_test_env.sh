@@ -9,16 +9,16 @@
 #
 # Side environments live in $AGENTRL_FAST_SIDE_ENVS (default ~/.cache/agentrl_fast/side-envs),
 # one folder per tools/side-envs/NAME.txt; tests find them there (tests/side_envs.py). A
-# tools/side-envs/NAME.post.sh runs after the install (with $PY the environment's python). An
-# environment is rebuilt when its requirements (and post script) differ from the copy stored
-# inside it. A line `# venv-args: ARGS` in NAME.txt passes ARGS to `python -m venv` (e.g.
-# --system-site-packages: the environment then sees the main one's torch and agentrl_fast); being
-# part of NAME.txt, a change to it rebuilds the environment.
+# tools/side-envs/NAME.post.sh runs after the install (with $PY the environment's python). A line
+# `# sees-main-environment` in NAME.txt makes the environment see the main one's packages (torch,
+# transformers, agentrl_fast), a virtual environment or not. An environment is rebuilt when its
+# reuse key changes: its requirements and post script, and for one that sees the main
+# environment also that environment's torch and transformers (tools/side_env.py).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 specs="$root/tools/side-envs"
 home=${AGENTRL_FAST_SIDE_ENVS:-$HOME/.cache/agentrl_fast/side-envs}
-python=${PYTHON:-python3}
+python=${PYTHON:-python}  # the main environment: the one the README command installed into
 mkdir -p "$home"
 
 # The sandbox's isolation tests need bubblewrap (tests/test_sandbox_isolation.py; under CI=true
@@ -45,7 +45,7 @@ for name in "${names[@]}"; do
   [ -f "$spec" ] || { echo "setup_test_env: no side environment named $name ($spec)" >&2; exit 2; }
   env_dir="$home/$name"
   post="$specs/$name.post.sh"
-  want=$(cat "$spec" "$post" 2>/dev/null || true)
+  want=$("$python" "$root/tools/side_env.py" key "$name")
   if [ -x "$env_dir/bin/python" ] && [ "$want" = "$(cat "$env_dir/requirements.txt" 2>/dev/null)" ]; then
     echo "setup_test_env: $name is up to date ($env_dir)"
     continue
@@ -53,9 +53,11 @@ for name in "${names[@]}"; do
   echo "setup_test_env: building $name in $env_dir"
   start=$(date +%s)
   rm -rf "$env_dir"
-  venv_args=$(sed -n 's/^# venv-args: *//p' "$spec" | head -n 1)
-  # shellcheck disable=SC2086  # word splitting intended: several venv options
-  "$python" -m venv $venv_args "$env_dir"
+  "$python" -m venv "$env_dir"
+  if grep -qx '# sees-main-environment' "$spec"; then
+    site_dir=$("$env_dir/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+    "$python" "$root/tools/side_env.py" link "$site_dir" > /dev/null
+  fi
   "$env_dir/bin/python" -m pip install -q --disable-pip-version-check -r "$spec"
   if [ -f "$post" ]; then PY="$env_dir/bin/python" bash "$post"; fi
   # Written last: an interrupted build is rebuilt next time.
