@@ -49,7 +49,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-KERNELS = Path(__file__).resolve().parent.parent / "agentrl_fast" / "kernels"
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "agentrl_fast" / "kernels"
 TARGET = GPUTarget("cuda", 90, 32)
 # Shared memory one block may use on sm_90 (H100/H200), opted in: 227 KB.
 SM90_SHARED_BYTES = 232448
@@ -319,7 +320,7 @@ def sweep_extras() -> dict:
     """``EXTRA`` of ``bench/tune_kernels.py`` (the sweep's candidates that move several
     parameters at once, ``{(op, key): (partial config, ...)}``), loaded by path: it imports no
     torch at module level."""
-    path = KERNELS.parent / "bench" / "tune_kernels.py"
+    path = ROOT / "bench" / "tune_kernels.py"
     spec = importlib.util.spec_from_file_location("agentrl_fast_tune_kernels_aot", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
