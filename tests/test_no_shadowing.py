@@ -81,7 +81,8 @@ def test_a_regular_install_holds_the_kernels(tmp_path):
     """setuptools' build of the pure-Python part (what a wheel holds besides the extension):
     the kernels are ``agentrl_fast/kernels/`` and import from there."""
     build = tmp_path / "lib"
-    done = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(build)],
+    done = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base",
+                           str(tmp_path), "build_py", "--build-lib", str(build)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     kernels = build / "agentrl_fast" / "kernels"
