@@ -116,8 +116,9 @@ from bench_generation import (DEFAULT_VLLM_PYTHON, QUIET_CORES, OtherLoad,  # no
                                     machine_note, vllm_version)
 from bench_rollout import TimedVaultEnvironment, ToolClock  # noqa: E402
 from agentrl_fast.config import RunConfig  # noqa: E402
-from agentrl_fast.harness import (RolloutEngine, ScriptedGenerator, TorchGenerator,  # noqa: E402
-                                  VLLMGenerator, VLLMServer, expert_action)
+from agentrl_fast.harness import RolloutEngine
+from agentrl_fast.generators import ScriptedGenerator, TorchGenerator, VLLMGenerator, VLLMServer
+from agentrl_fast.envs import expert_action
 from agentrl_fast.train.export import export_pretrained  # noqa: E402
 from agentrl_fast.train.ppo import Trainer  # noqa: E402
 from agentrl_fast.train.run import (build, evaluate, expert_demonstrations,  # noqa: E402

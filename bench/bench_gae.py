@@ -1,4 +1,4 @@
-"""Benchmark: GAE over packed trajectories (DESIGN.md, "GAE over packed trajectories").
+"""Benchmark: GAE over packed trajectories (docs/design.md, "GAE over packed trajectories").
 
 Providers, all in this process and all checked against ours before they are timed:
 

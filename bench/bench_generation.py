@@ -78,10 +78,11 @@ import torch
 import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
 from agentrl_fast.config import RunConfig  # noqa: E402
 from agentrl_fast.config.sampling import SamplingParams  # noqa: E402
-from agentrl_fast.harness import (RolloutEngine, ScriptedGenerator, TorchGenerator,  # noqa: E402
-                                  VLLMGenerator, VLLMServer, expert_action, rollout_metrics)
+from agentrl_fast.harness import RolloutEngine, rollout_metrics
+from agentrl_fast.generators import ScriptedGenerator, TorchGenerator, VLLMGenerator, VLLMServer
+from agentrl_fast.envs import expert_action
 from agentrl_fast.models.attention import use_packed_attention  # noqa: E402
-from agentrl_fast.models.critic import policy_logprobs  # noqa: E402
+from agentrl_fast.models.policy import policy_logprobs  # noqa: E402
 from agentrl_fast.models.fused import use_fused_layers  # noqa: E402
 from agentrl_fast.models.tiny import tiny_qwen3, with_stop_direction  # noqa: E402
 from agentrl_fast.train.export import export_pretrained  # noqa: E402

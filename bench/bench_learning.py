@@ -36,7 +36,8 @@ import time
 import torch
 
 from agentrl_fast.config import RunConfig, apply_overrides  # noqa: E402
-from agentrl_fast.harness import RolloutEngine, TorchGenerator  # noqa: E402
+from agentrl_fast.harness import RolloutEngine  # noqa: E402
+from agentrl_fast.generators import TorchGenerator
 from agentrl_fast.train.ppo import Trainer  # noqa: E402
 from agentrl_fast.train.run import build, evaluate, expert_demonstrations, warm_start  # noqa: E402
 

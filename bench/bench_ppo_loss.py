@@ -1,4 +1,4 @@
-"""Benchmark: the token-level PPO loss, forward + backward (DESIGN.md, "Token-level PPO loss").
+"""Benchmark: the token-level PPO loss, forward + backward (docs/design.md, "Token-level PPO loss").
 
 Providers, all in this process, each checked against ours (loss and both gradients) before it
 is timed:

@@ -25,9 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import torch
 
-from agentrl_fast.harness import (ChatFormat, SamplingParams, ScriptedGenerator, TorchGenerator,
-                                  VaultEnvironment, build_tokenizer)
-from agentrl_fast.harness.proxy import Proxy, ProxyServer
+from agentrl_fast.harness import ChatFormat
+from agentrl_fast.config import SamplingParams
+from agentrl_fast.generators import ScriptedGenerator, TorchGenerator
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer
+from agentrl_fast.proxy import Proxy, ProxyServer
 from agentrl_fast.models.tiny import tiny_qwen3
 
 TOOLS = [{"type": "function", "function": {

@@ -63,12 +63,15 @@ from pathlib import Path
 import torch
 
 import common  # noqa: E402  (bench/ is the script's folder: first on sys.path)
-from agentrl_fast.harness import ChatFormat, build_tokenizer  # noqa: E402
-from agentrl_fast.harness.generation import (Generation, SamplingParams,  # noqa: E402
-                                             ScriptedGenerator, TorchGenerator)
-from agentrl_fast.harness.rollout import (RolloutConfig, RolloutEngine,  # noqa: E402
-                                          rollout_metrics)
-from agentrl_fast.harness.vault import VaultEnvironment, expert_action  # noqa: E402
+from agentrl_fast.harness import ChatFormat  # noqa: E402
+from agentrl_fast.envs import build_tokenizer
+from agentrl_fast.generators.base import Generation
+from agentrl_fast.config.sampling import SamplingParams
+from agentrl_fast.generators.scripted import ScriptedGenerator
+from agentrl_fast.generators.torch_generator import TorchGenerator
+from agentrl_fast.config.rollout import RolloutConfig
+from agentrl_fast.harness.rollout import RolloutEngine, rollout_metrics
+from agentrl_fast.envs.vault import VaultEnvironment, expert_action  # noqa: E402
 from agentrl_fast.models.tiny import tiny_qwen3, with_token_bias  # noqa: E402
 
 SCHEDULES = ("lockstep", "overlap")

@@ -4,7 +4,7 @@ seccomp system-call filter (``bwrap-no-filter``: bubblewrap with ``syscall_filte
 of the call's control group (``bwrap-no-cgroup``: ``cgroup="off"``); the others run with both,
 the defaults (the group where this host lets us make one).
 
-Each call is one ``run_sandboxed`` (``agentrl_fast/harness/sandbox.py``), awaited alone (no other
+Each call is one ``run_sandboxed`` (``agentrl_fast/harness/sandbox/execute.py``), awaited alone (no other
 call running), wall time from the call to its result. Programs:
 
 * ``python``: what ``python_tool`` runs, the base interpreter's ``python -I -S -u -`` reading
@@ -35,8 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-from agentrl_fast.harness.bwrap import base_python
-from agentrl_fast.harness.sandbox import bwrap_problem, run_sandboxed
+from agentrl_fast.harness.sandbox.bwrap import base_python
+from agentrl_fast.harness.sandbox.execute import bwrap_problem
+from agentrl_fast.harness.sandbox import run_sandboxed
 
 CONFIGS = {"none": {"isolation": "none"}, "bwrap": {"isolation": "bwrap"},
            "bwrap-no-filter": {"isolation": "bwrap", "syscall_filter": False},

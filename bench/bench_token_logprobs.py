@@ -1,4 +1,4 @@
-"""Benchmark: fused log-probs/entropy (``token_logprobs``, ``linear_token_logprobs``; DESIGN.md,
+"""Benchmark: fused log-probs/entropy (``token_logprobs``, ``linear_token_logprobs``; docs/design.md,
 "Token-level PPO loss", last paragraph). Forward + backward of ``logp`` and ``entropy``
 (the loss ``sum(logp * g1 + entropy * g2)`` with random ``g1, g2``), bf16 logits.
 

@@ -1,4 +1,4 @@
-"""Benchmark: attention over packed variable-length sequences (DESIGN.md, "Attention over packed
+"""Benchmark: attention over packed variable-length sequences (docs/design.md, "Attention over packed
 trajectories"), forward and forward+backward.
 
 Providers, all in this process, all checked before they are timed:

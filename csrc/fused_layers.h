@@ -1,6 +1,6 @@
 // Fused elementwise layers of Llama-family decoders on the CPU: RMSNorm and SwiGLU, forward
 // and backward, one pass over memory each (HF runs 6-10 separate kernels per call). Our
-// kernels behind agentrl_fast.ops.fused_layers; semantics there and in DESIGN.md.
+// kernels behind agentrl_fast.ops.fused_layers; semantics there and in docs/design.md.
 #pragma once
 
 #include <ATen/ATen.h>

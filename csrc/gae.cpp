@@ -1,5 +1,5 @@
 // GAE over packed trajectories: argument checks (the one place they live), value validation and
-// the CPU kernel. Semantics: DESIGN.md, "GAE over packed trajectories".
+// the CPU kernel. Semantics: docs/design.md, "GAE over packed trajectories".
 #include "gae.h"
 
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
 // GAE over packed trajectories: argument checks and kernel entry points shared by the CPU and
-// CUDA implementations. Semantics: DESIGN.md, "GAE over packed trajectories".
+// CUDA implementations. Semantics: docs/design.md, "GAE over packed trajectories".
 #pragma once
 
 #include <ATen/ATen.h>

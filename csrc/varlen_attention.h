@@ -1,5 +1,5 @@
 // Attention over packed variable-length trajectories on the CPU: our kernel behind the
-// "native" backend of agentrl_fast.ops.varlen_attention. Semantics: DESIGN.md, "Attention over
+// "native" backend of agentrl_fast.ops.varlen_attention. Semantics: docs/design.md, "Attention over
 // packed trajectories".
 #pragma once
 

@@ -15,9 +15,11 @@ import json
 
 import openai
 
-from agentrl_fast.harness import (ChatFormat, MemoryStore, RolloutConfig, SamplingParams,
-                                  VaultEnvironment, build_tokenizer, expert_action)
-from agentrl_fast.harness.proxy import Proxy, ProxyServer, train
+from agentrl_fast.harness import ChatFormat, MemoryStore
+from agentrl_fast.config import RolloutConfig, SamplingParams
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer, expert_action
+from agentrl_fast.proxy import Proxy, ProxyServer
+from agentrl_fast.train.proxy_driver import proxy_for, train
 from agentrl_fast.models.tiny import tiny_qwen3
 from agentrl_fast.train import TrainConfig, Trainer
 from agentrl_fast.train.sft import demonstrations, sft
@@ -117,7 +119,7 @@ def main() -> None:
                                              [t.schema for t in episode.tools], run_tool)
             return episode.finish(answer)
 
-    proxy = Proxy.for_trainer(trainer)
+    proxy = proxy_for(trainer)
     with ProxyServer(proxy) as server:
         print(f"proxy on {server.url}")
         for m in train(trainer, server, agent, args.steps, workers=args.workers):

@@ -8,8 +8,9 @@ sub-traces) and, from the same warm-start, of GRPO (the baseline); export both f
 import argparse
 import copy
 
-from agentrl_fast.harness import (ChatFormat, RolloutConfig, SamplingParams, VaultEnvironment,
-                                  build_tokenizer, expert_action)
+from agentrl_fast.harness import ChatFormat
+from agentrl_fast.config import RolloutConfig, SamplingParams
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer, expert_action
 from agentrl_fast.models.tiny import tiny_qwen3
 from agentrl_fast.train import TrainConfig, Trainer
 from agentrl_fast.train.sft import demonstrations, sft

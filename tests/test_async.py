@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl_fast.harness import (RolloutConfig, SamplingParams, TorchGenerator,
-                                  VaultEnvironment)
+from agentrl_fast.config import RolloutConfig, SamplingParams
+from agentrl_fast.generators import TorchGenerator
+from agentrl_fast.envs import VaultEnvironment
 from agentrl_fast.models.attention import use_packed_attention
-from agentrl_fast.models.critic import policy_logprobs
+from agentrl_fast.models.policy import policy_logprobs
 from agentrl_fast.ops import ppo_loss
 from agentrl_fast.train import TrainConfig, Trainer
 from agentrl_fast.train.data import task_at
@@ -251,7 +252,8 @@ CHILD = """
 import json, sys
 sys.path.insert(0, "tests")
 from test_async import config, consumed_positions, policy_for
-from agentrl_fast.harness import ChatFormat, VaultEnvironment, build_tokenizer
+from agentrl_fast.harness import ChatFormat
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer
 from agentrl_fast.train import Trainer
 env = VaultEnvironment()
 chat = ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
@@ -312,7 +314,8 @@ sys.path.insert(0, "tests")
 import torch
 torch.set_num_threads(1)
 from test_async import config, consumed_positions, policy_for
-from agentrl_fast.harness import ChatFormat, VaultEnvironment, build_tokenizer
+from agentrl_fast.harness import ChatFormat
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer
 from agentrl_fast.train import Trainer
 from agentrl_fast.train.distributed import DistributedConfig, World, init_world, shutdown
 group = init_world(DistributedConfig(strategy="ddp"))

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentrl_fast.harness import SPECIAL_TOKENS, ChatFormat, build_tokenizer, render_messages
+from agentrl_fast.harness import SPECIAL_TOKENS, ChatFormat, render_messages
+from agentrl_fast.envs import build_tokenizer
 
 ADD_TOOL = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",

@@ -19,9 +19,9 @@ import torch
 from agentrl_fast.harness.memory import MemoryStore
 from agentrl_fast.train import checkpoint as ckpt
 from agentrl_fast.train import durable
-from agentrl_fast.train.checkpoint import (CheckpointError, export_pretrained, latest_checkpoint,
-                                           load_checkpoint, rng_state, save_checkpoint,
-                                           set_rng_state)
+from agentrl_fast.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint,
+                                           rng_state, save_checkpoint, set_rng_state)
+from agentrl_fast.train.export import export_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -489,7 +489,7 @@ def test_json_and_torch_kinds_keep_exact_types(tmp_path):
 def test_export_pretrained_loads_back_with_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from agentrl_fast.harness.tokenizer import build_tokenizer
+    from agentrl_fast.envs.tokenizer import build_tokenizer
 
     config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,

@@ -1,11 +1,16 @@
 """The house's layout: ``RunConfig()`` is the main job (what ``agentrl-fast train`` runs, and
-``configs/default.yaml``), the config is a leaf (no torch, no trainer, harness or ops), and no
-module of ``agentrl_fast`` imports itself back through others."""
+``configs/default.yaml``), the config is a leaf (no torch, no trainer, harness or ops), imports
+follow the written layers (function-level imports included) and no module imports itself back
+through others."""
 
 import ast
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from agentrl_fast.cli import _train_config, parser
 from agentrl_fast.config import RunConfig, to_yaml
@@ -32,52 +37,84 @@ def test_the_config_imports_no_torch_trainer_harness_or_ops():
     assert result.stdout.strip() == ""
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+# The written layer order (docs/design.md, "Layers"), highest first. A module imports only its
+# own package or packages of lower layers; packages of one layer do not import each other.
+# Every import counts: at module level, inside functions and under TYPE_CHECKING.
+LAYERS = (
+    ("cli",),
+    ("train",),
+    ("proxy", "envs", "integrations"),
+    ("harness",),
+    ("generators",),
+    ("models",),
+    ("ops",),
+    ("kernels", "_native"),
+    ("config", "seeds"),
+)
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _module_level_imports(path: Path, name: str, modules: set[str]) -> set[str]:
-    """The agentrl_fast modules ``path`` imports when it is imported (imports inside functions
-    and under ``TYPE_CHECKING`` run later, or never)."""
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """Every agentrl_fast module ``path`` imports, wherever the import statement is."""
     found = set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        for sub in ast.walk(node):
-            if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef):
-                break
-            if isinstance(sub, ast.Import):
-                found |= {a.name for a in sub.names}
-            elif isinstance(sub, ast.ImportFrom):
-                base = sub.module or ""
-                if sub.level:
-                    anchor = package.split(".")[:len(package.split(".")) - sub.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                found.add(base)
-                found |= {f"{base}.{a.name}" for a in sub.names}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}
     return {m for m in found if m in modules}
 
 
-def test_no_import_circle_in_the_package():
-    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {name: _module_level_imports(path, name, set(paths)) - {name}
-             for name, path in paths.items()}
-    # a module imports its parent packages too (their __init__ runs first)
-    for name in graph:
+def _unit(module: str) -> str | None:
+    """The layered package (or top-level module) ``module`` belongs to; None for the root."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def layer_problems(root: Path) -> list[str]:
+    """Upward imports, imports between packages of one layer, unplaced modules and import
+    circles in the package tree ``root/agentrl_fast``."""
+    paths = {_module_name(root, p): p for p in (root / "agentrl_fast").rglob("*.py")}
+    level = {unit: index for index, units in enumerate(LAYERS) for unit in units}
+    graph = {name: _imports(path, name, set(paths)) - {name} for name, path in paths.items()}
+    problems = [f"{name}: in no layer (add it to LAYERS and docs/design.md)"
+                for name in paths if _unit(name) is not None and _unit(name) not in level]
+    for name, imported in sorted(graph.items()):
+        for other in sorted(imported):
+            mine, theirs = _unit(name), _unit(other)
+            if None in (mine, theirs) or mine == theirs or mine not in level or theirs not in level:
+                continue
+            if level[theirs] < level[mine]:
+                problems.append(f"{name} imports {other}: upward ({theirs} is above {mine})")
+            elif level[theirs] == level[mine]:
+                problems.append(f"{name} imports {other}: {mine} and {theirs} share a layer")
+    return problems + [" -> ".join(c) for c in _circles(graph)]
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    # A module imports its parent packages too (their __init__ runs first), except that a
+    # package __init__ re-exporting its own submodules is not a circle.
+    edges = {}
+    for name, imported in graph.items():
         parts = name.split(".")
-        graph[name] |= {".".join(parts[:i]) for i in range(1, len(parts))} - {name}
-    # package __init__s that re-export their own submodules are not circles: drop parent edges
-    # from a submodule to its own package
-    for name in graph:
-        graph[name] = {m for m in graph[name] if not name.startswith(m + ".")}
+        parents = {".".join(parts[:i]) for i in range(1, len(parts))}
+        edges[name] = {m for m in imported | parents if not name.startswith(m + ".")} - {name}
     state, stack, circles = {}, [], []
 
     def visit(node):
         state[node] = "open"
         stack.append(node)
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == "open":
                 circles.append(stack[stack.index(nxt):] + [nxt])
             elif nxt not in state:
@@ -85,10 +122,39 @@ def test_no_import_circle_in_the_package():
         stack.pop()
         state[node] = "done"
 
-    for node in sorted(graph):
+    for node in sorted(edges):
         if node not in state:
             visit(node)
-    assert not circles, "\n".join(" -> ".join(c) for c in circles)
+    return circles
+
+
+def test_imports_follow_the_written_layers():
+    problems = layer_problems(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+PLANTS = {
+    "upward": ("agentrl_fast/ops/gae.py",
+               "\n\ndef _planted():\n    from agentrl_fast.train import ppo  # noqa\n",
+               "agentrl_fast.ops.gae imports agentrl_fast.train"),
+    "circle": ("agentrl_fast/harness/tool_calls.py",
+               "\n\ndef _planted():\n    import agentrl_fast.harness.tools  # noqa\n",
+               "agentrl_fast.harness.tool_calls -> agentrl_fast.harness.tools"),
+    "one layer": ("agentrl_fast/envs/__init__.py",
+                  "\n\ndef _planted():\n    from agentrl_fast.proxy import Proxy  # noqa\n",
+                  "share a layer"),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_the_layer_check_finds_a_planted_function_level_import(tmp_path, plant):
+    shutil.copytree(ROOT / "agentrl_fast", tmp_path / "agentrl_fast",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    assert layer_problems(tmp_path) == []
+    where, code, expected = PLANTS[plant]
+    with open(tmp_path / where, "a") as file:
+        file.write(code)
+    assert any(expected in problem for problem in layer_problems(tmp_path)), plant
 
 
 def test_no_module_of_the_package_is_over_600_lines():
@@ -96,3 +162,16 @@ def test_no_module_of_the_package_is_over_600_lines():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 600}
     assert not long, long
+
+
+def test_the_design_is_cited_inside_the_project():
+    """Sources cite docs/design.md, not a DESIGN.md outside the repository."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.split()
+    citing = [name for name in listed
+              if not name.startswith(("bench/results/", "docs/experiments.md"))
+              and name != "tests/test_config_layout.py"
+              and (ROOT / name).is_file()
+              and re.search(r"(?<![\w/.])DESIGN\.md", (ROOT / name).read_text(errors="replace"))]
+    assert not citing, f"cite docs/design.md instead of DESIGN.md in: {citing}"
+    assert (ROOT / "docs" / "design.md").is_file()

@@ -1,4 +1,4 @@
-"""Rollout generation (agentrl_fast.harness.generation): TorchGenerator and sampling_distribution.
+"""Rollout generation (agentrl_fast.generators.base): TorchGenerator and sampling_distribution.
 
 Tiny randomly initialized HF models built from configs in code (nothing downloaded), float32 on
 the CPU. The key claim for rollouts: the log-probs recorded while sampling a left-padded batch
@@ -21,8 +21,9 @@ import torch
 import transformers
 from error_cases import bad_input_tests
 
-from agentrl_fast.harness.generation import (FINISH_REASONS, Generation, Generator, SamplingParams,
-                                             TorchGenerator, sampling_distribution)
+from agentrl_fast.generators.base import FINISH_REASONS, Generation, Generator
+from agentrl_fast.config.sampling import SamplingParams
+from agentrl_fast.generators.torch_generator import TorchGenerator, sampling_distribution
 from agentrl_fast.models import pack, packed_forward, unpack, use_packed_attention
 
 VOCAB = 96
@@ -360,7 +361,7 @@ def test_prefix_cache_lookup_table_stays_proportional_to_what_it_keeps():
     """Kept ids grow every turn (each prompt extends the last): the lookup table grows each
     dimension only when it is the one too small, so its size stays within a small factor of
     the longest key times the number of keys, and lookups still find the longest prefix."""
-    from agentrl_fast.harness.generation import _PrefixCache
+    from agentrl_fast.generators.torch_generator import _PrefixCache
 
     cache = _PrefixCache(capacity=1 << 40)
     kv = torch.zeros(1, 2, 1, 1, 1)
@@ -569,7 +570,8 @@ def test_torch_generator_follows_the_protocol_and_takes_tensor_prompts(flat):
 
 PRELUDE = textwrap.dedent("""
     import torch, transformers
-    from agentrl_fast.harness.generation import SamplingParams, TorchGenerator
+    from agentrl_fast.config.sampling import SamplingParams
+    from agentrl_fast.generators.torch_generator import TorchGenerator
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

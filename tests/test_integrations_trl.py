@@ -55,7 +55,7 @@ def _grpo_step(patched: bool):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from agentrl_fast.harness.tokenizer import build_tokenizer
+    from agentrl_fast.envs.tokenizer import build_tokenizer
     from agentrl_fast.integrations import trl as ours
     from agentrl_fast.models.tiny import tiny_qwen3
 

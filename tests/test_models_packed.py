@@ -429,7 +429,7 @@ def test_cuda_bf16_packed_matches_each_sequence_alone():
 
 @pytest.mark.parametrize("biased_head", [False, True])  # fused path; logits path (a bias)
 def test_policy_logprobs_token_mask_matches_the_full_computation(biased_head):
-    from agentrl_fast.models.critic import policy_logprobs
+    from agentrl_fast.models.policy import policy_logprobs
     from agentrl_fast.models.tiny import with_token_bias
 
     _, model = _models("qwen3", seed=int(torch.randint(0, 1000, ())))

@@ -19,11 +19,13 @@ import openai
 import pytest
 import torch
 
-from agentrl_fast.harness import (ChatFormat, MemoryStore, RolloutConfig, SamplingParams,
-                                  TorchGenerator, VaultEnvironment, build_tokenizer, expert_action)
+from agentrl_fast.harness import ChatFormat, MemoryStore
+from agentrl_fast.config import RolloutConfig, SamplingParams
+from agentrl_fast.generators import TorchGenerator
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer, expert_action
 from agentrl_fast.harness.chat_format import OUTPUT, render_pieces
-from agentrl_fast.harness.proxy import Proxy, ProxyServer
-from agentrl_fast.models.critic import policy_logprobs
+from agentrl_fast.proxy import Proxy, ProxyServer
+from agentrl_fast.models.policy import policy_logprobs
 from agentrl_fast.models.tiny import tiny_qwen3
 from agentrl_fast.train.advantages import bootstrap_values, gae_advantages
 from agentrl_fast.train.sft import demonstrations, sft

@@ -13,9 +13,11 @@ import httpx
 import openai
 import pytest
 
-from agentrl_fast.harness import (ChatFormat, SamplingParams, ScriptedGenerator, VaultEnvironment,
-                                  build_tokenizer)
-from agentrl_fast.harness.proxy import Proxy, ProxyServer
+from agentrl_fast.harness import ChatFormat
+from agentrl_fast.config import SamplingParams
+from agentrl_fast.generators import ScriptedGenerator
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer
+from agentrl_fast.proxy import Proxy, ProxyServer
 
 CALL = '<tool_call>\n{"name": "open_vault", "arguments": {"name": "amber"}}\n</tool_call>'
 TOOLS = [{"type": "function", "name": "open_vault", "description": "Open a vault.",

@@ -1,4 +1,4 @@
-"""The OpenAI proxy's sessions without HTTP (agentrl_fast.harness.proxy_session and Proxy):
+"""The OpenAI proxy's sessions without HTTP (agentrl_fast.proxy.session and Proxy):
 extension vs a new sub-trace, re-serialized arguments, the reply as an OpenAI message
 (tool calls, malformed calls as text, stop strings on token boundaries), rewards on finish,
 refused requests naming their parameter, and an HTTP stack that stays unimported. A scripted
@@ -11,10 +11,12 @@ import sys
 
 import pytest
 
-from agentrl_fast.harness import (ChatFormat, SamplingParams, ScriptedGenerator, VaultEnvironment,
-                                  build_tokenizer, render_messages)
-from agentrl_fast.harness.proxy import Proxy
-from agentrl_fast.harness.proxy_session import ProxyError, canonical_arguments
+from agentrl_fast.harness import ChatFormat, render_messages
+from agentrl_fast.config import SamplingParams
+from agentrl_fast.generators import ScriptedGenerator
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer
+from agentrl_fast.proxy.service import Proxy
+from agentrl_fast.proxy.session import ProxyError, canonical_arguments
 
 TOOLS = [{"type": "function", "function": {
     "name": "open_vault", "description": "Open a vault.",
@@ -257,7 +259,7 @@ def test_canonical_arguments_compare_parsed_json():
 
 
 def test_importing_the_harness_does_not_import_the_http_stack():
-    code = ("import sys, agentrl_fast, agentrl_fast.harness, agentrl_fast.harness.proxy\n"
+    code = ("import sys, agentrl_fast, agentrl_fast.harness, agentrl_fast.proxy.service\n"
             "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -279,7 +281,7 @@ def test_message_content_parts_and_developer_role_render_as_text(chat):
 
 
 def test_generations_carry_the_proxy_version_and_stale_sessions_are_dropped(chat):
-    from agentrl_fast.harness.proxy import fresh
+    from agentrl_fast.train.proxy_driver import fresh
     proxy = make_proxy(chat, CALL, "Done.")
     session = proxy.create_session()
     _, first, _ = complete(proxy, session, [SYSTEM, USER])

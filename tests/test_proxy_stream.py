@@ -14,11 +14,13 @@ import httpx
 import openai
 import pytest
 
-from agentrl_fast.harness import (ChatFormat, SamplingParams, ScriptedGenerator, VaultEnvironment,
-                                  build_tokenizer)
-from agentrl_fast.harness.proxy import Proxy, ProxyServer
-from agentrl_fast.harness.proxy_session import make_reply, parse_request
-from agentrl_fast.harness.proxy_stream import ContentStream
+from agentrl_fast.harness import ChatFormat
+from agentrl_fast.config import SamplingParams
+from agentrl_fast.generators import ScriptedGenerator
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer
+from agentrl_fast.proxy import Proxy, ProxyServer
+from agentrl_fast.proxy.session import make_reply, parse_request
+from agentrl_fast.proxy.stream import ContentStream
 
 CALL = '<tool_call>\n{"name": "open_vault", "arguments": {"name": "amber"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {
@@ -269,7 +271,7 @@ def test_failures_before_and_after_the_first_token(chat):
 def test_torch_generator_tells_each_prompts_ids_as_sampled(prefix_cache_bytes):
     """Over sub-batches (max_batch_size 2 of 5 prompts) and prefix-cache hits, ``on_tokens``
     hears each prompt's ids in order, one step at a time; sampling is the same without it."""
-    from agentrl_fast.harness import TorchGenerator
+    from agentrl_fast.generators import TorchGenerator
     from agentrl_fast.models.tiny import tiny_qwen3
 
     generator = TorchGenerator(tiny_qwen3(64, seed=1), max_batch_size=2,

@@ -22,8 +22,8 @@ RUNNABLE_SECTIONS = [
 ]
 
 # The docs pages the README must link (issue 25), and the files whose links are checked.
-DOCS_PAGES = ["ops", "harness", "training", "backends", "scaling", "security", "integrations",
-              "benchmarks", "experiments"]
+DOCS_PAGES = ["design", "ops", "harness", "training", "backends", "scaling", "security",
+              "integrations", "benchmarks", "migration", "experiments"]
 # Every page listed here must exist (docs/experiments.md included), so a missing page fails.
 LINKED_FILES = (["README.md", "CONTRIBUTING.md", "docs/README.md"]
                 + [f"docs/{page}.md" for page in DOCS_PAGES])

@@ -12,13 +12,17 @@ import re
 import pytest
 import torch
 
-from agentrl_fast.harness import ChatFormat, MemoryStore, build_tokenizer, tool
-from agentrl_fast.harness.generation import SamplingParams, TorchGenerator
-from agentrl_fast.harness.rollout import (CompactionState, RolloutConfig, RolloutEngine,
-                                          default_summary, derive_seed, rollout_metrics)
-from agentrl_fast.harness.generation import ScriptedGenerator
-from agentrl_fast.harness.vault import (CODE_WORDS, VAULT_NAMES,
-                                        VaultEnvironment, VaultEpisode, expert_action, score)
+from agentrl_fast.harness import ChatFormat, MemoryStore, tool
+from agentrl_fast.envs import build_tokenizer
+from agentrl_fast.config.sampling import SamplingParams
+from agentrl_fast.generators.torch_generator import TorchGenerator
+from agentrl_fast.harness.rollout import (CompactionState, RolloutEngine, default_summary,
+                                          rollout_metrics)
+from agentrl_fast.config.rollout import RolloutConfig
+from agentrl_fast.seeds import derive_seed
+from agentrl_fast.generators.scripted import ScriptedGenerator
+from agentrl_fast.envs.vault import (CODE_WORDS, VAULT_NAMES, VaultEnvironment, VaultEpisode,
+                                     expert_action, score)
 from agentrl_fast.models import pack, packed_forward, use_packed_attention
 from agentrl_fast.models.tiny import tiny_qwen3, with_token_bias
 

@@ -19,11 +19,11 @@ import time
 import pytest
 
 import agentrl_fast
-from agentrl_fast.harness import ToolRegistry, cgroups, parse_tool_calls
-from agentrl_fast.harness.bwrap import base_python
-from agentrl_fast.harness.sandbox import (FILE_SIZE_LIMIT_MB, LAUNCHER, SandboxResult,
-                                          bwrap_problem, python_tool, run_sandboxed,
-                                          run_sandboxed_sync)
+from agentrl_fast.harness import ToolRegistry, parse_tool_calls
+from agentrl_fast.harness.sandbox import SandboxResult, cgroups, python_tool, run_sandboxed
+from agentrl_fast.harness.sandbox.bwrap import base_python
+from agentrl_fast.harness.sandbox.execute import bwrap_problem, run_sandboxed_sync
+from agentrl_fast.harness.sandbox.launcher import FILE_SIZE_LIMIT_MB, LAUNCHER
 from side_envs import SETUP
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux rlimits")

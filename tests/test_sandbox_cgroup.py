@@ -1,4 +1,4 @@
-"""A control group per sandboxed call (``agentrl_fast/harness/cgroups.py``): the memory of all
+"""A control group per sandboxed call (``agentrl_fast/harness/sandbox/cgroups.py``): the memory of all
 its processes together (scratch ``tmpfs`` included) and their number are bounded, every process
 of the call dies with it (``setsid()`` or not, also without bubblewrap), and no group is left
 behind. Each bound is checked against a control with ``cgroup="off"`` where the same program
@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from agentrl_fast.harness import cgroups
-from agentrl_fast.harness.sandbox import base_python, run_sandboxed_sync
+from agentrl_fast.harness.sandbox import cgroups
+from agentrl_fast.harness.sandbox.execute import base_python, run_sandboxed_sync
 from test_sandbox import require_bwrap, run_tool
 from test_sandbox_isolation import ESCAPE, FORK_COUNT, processes_with, wait_until
 
@@ -177,7 +177,7 @@ def test_the_groups_of_a_killed_trainer_are_swept():
     tag = uuid.uuid4().hex
     marker = f"orphan-{tag}"  # in the call's command line, not in the trainer's
     trainer = subprocess.Popen([sys.executable, "-c", (
-        "from agentrl_fast.harness.sandbox import base_python, run_sandboxed_sync\n"
+        "from agentrl_fast.harness.sandbox.execute import base_python, run_sandboxed_sync\n"
         "run_sandboxed_sync([base_python(), '-c', 'import time; time.sleep(60)', "
         f"'orphan-' + {tag!r}], isolation='none', cgroup='required', timeout=60)")])
     try:

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from agentrl_fast.harness import ToolRegistry, parse_tool_calls
-from agentrl_fast.harness import sandbox
-from agentrl_fast.harness.sandbox import python_tool, run_sandboxed, run_sandboxed_sync
+from agentrl_fast.harness.sandbox import execute as sandbox
+from agentrl_fast.harness.sandbox import python_tool, run_sandboxed
+from agentrl_fast.harness.sandbox.execute import run_sandboxed_sync
 from test_sandbox import call_text, require_bwrap, run_tool
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="bubblewrap needs Linux")

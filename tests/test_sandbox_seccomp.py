@@ -1,4 +1,4 @@
-"""The seccomp system-call filter (agentrl_fast/harness/syscall_filter.py) of the sandbox.
+"""The seccomp system-call filter (agentrl_fast/harness/sandbox/syscall_filter.py) of the sandbox.
 
 Each attack runs under bubblewrap and without isolation, with the filter (it must fail with
 ``EPERM``, or ``ENOSYS`` for ``clone3``) and, as a control, without it (where it must reach the
@@ -21,9 +21,10 @@ import textwrap
 import pytest
 
 from agentrl_fast.harness import ToolRegistry, parse_tool_calls
-from agentrl_fast.harness import syscall_filter
-from agentrl_fast.harness.bwrap import base_python
-from agentrl_fast.harness.sandbox import python_tool, run_sandboxed_sync
+from agentrl_fast.harness.sandbox import syscall_filter
+from agentrl_fast.harness.sandbox.bwrap import base_python
+from agentrl_fast.harness.sandbox import python_tool
+from agentrl_fast.harness.sandbox.execute import run_sandboxed_sync
 from test_sandbox import call_text, require_bwrap, run_tool
 
 # System-call numbers the C library has no wrapper for: (keyctl, bpf, perf_event_open, clone).
@@ -226,7 +227,7 @@ def test_bad_syscall_filter_value_raises(bad):
 
 
 def test_one_home_for_the_list():
-    from agentrl_fast.harness.sandbox import LAUNCHER
+    from agentrl_fast.harness.sandbox.launcher import LAUNCHER
     assert repr(syscall_filter.DENIED_SYSCALLS) in LAUNCHER
     assert {"ptrace", "unshare", "setns", "mount", "bpf", "keyctl", "io_uring_setup",
             "perf_event_open", "userfaultfd"} <= set(syscall_filter.DENIED_SYSCALLS)

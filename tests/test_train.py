@@ -13,10 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl_fast.harness import (ChatFormat, RolloutConfig, SamplingParams, SubTrace,
-                                  VaultEnvironment, build_tokenizer)
+from agentrl_fast.harness import ChatFormat, SubTrace
+from agentrl_fast.config import RolloutConfig, SamplingParams
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer
 from agentrl_fast.models.tiny import tiny_qwen3, with_token_bias
-from agentrl_fast.train import TrainConfig, Trainer, bootstrap_values, gae_advantages, rollout_index_map
+from agentrl_fast.train import TrainConfig, Trainer, bootstrap_values, gae_advantages
+from agentrl_fast.train import ppo as ppo_module
+from agentrl_fast.train.scoring import score
+from agentrl_fast.train.step_batch import StepBatch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,7 +175,10 @@ def test_rollout_logprobs_stand_in_for_the_recomputed_ones(chat):
         sub_traces = [s for t in trajectories for s in t.sub_traces]
         calls = []  # forwards of the policy's decoder stack while scoring
         handle = trainer.policy.model.register_forward_hook(lambda *_: calls.append(1))
-        old, *_ = trainer._score(sub_traces, rollout_index_map(sub_traces))
+        batch = StepBatch.of(trajectories)
+        with trainer.overlap.beside(False) as beside:
+            score(trainer.models, batch, trainer._context(), beside)
+        old = batch.split(batch.old_logprobs)
         handle.remove()
         runs[recompute] = old, sub_traces, calls
     (recomputed, sub_traces, calls), (from_rollout, rollout_sub_traces, no_calls) = runs[True], runs[False]
@@ -429,7 +436,7 @@ def test_damaged_latest_checkpoint_is_skipped_with_a_message(tmp_path, chat):
 
 
 def test_sft_warm_start_fits_the_expert(chat):
-    from agentrl_fast.harness import expert_action
+    from agentrl_fast.envs import expert_action
     from agentrl_fast.models.tiny import tiny_qwen3
     from agentrl_fast.train.sft import demonstrations, sft
     env = VaultEnvironment()
@@ -542,19 +549,20 @@ def test_filter_groups_config_errors():
 
 
 @pytest.mark.parametrize("critic_lam", [None, 0.5])
-def test_critic_lam_decouples_the_critic_targets(chat, critic_lam):
+def test_critic_lam_decouples_the_critic_targets(chat, critic_lam, monkeypatch):
     """The policy's advantages use lam, the critic's value targets critic_lam (default: lam),
     each the GAE of the same rewards and values."""
     config = train_config(steps=1, kl_coef=0.0, lam=1.0, critic_lam=critic_lam,
                           whiten_advantages=False, bootstrap_truncated=False)
     trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config)
     seen = {}
-    update = trainer._update
+    update = ppo_module.update_epochs
 
-    def capture(sub_traces, rollout_index, old, ref, values, advantages, returns):
-        seen.update(sub_traces=sub_traces, values=values, advantages=advantages, returns=returns)
-        return update(sub_traces, rollout_index, old, ref, values, advantages, returns)
-    trainer._update = capture
+    def capture(models, optimizers, context, batch):
+        seen.update(sub_traces=batch.sub_traces, values=batch.split(batch.values),
+                    advantages=batch.split(batch.advantages), returns=batch.split(batch.returns))
+        return update(models, optimizers, context, batch)
+    monkeypatch.setattr(ppo_module, "update_epochs", capture)
     trainer.step()
     subs, values = seen["sub_traces"], seen["values"]
     assert any(s.end == "continued" for s in subs)  # bootstraps across sub-traces are exercised

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from agentrl_fast.harness import (ChatFormat, SubTrace, ToolRegistry, Trajectory, apply_turn,
-                                  build_tokenizer, render_messages, tool)
+                                  render_messages, tool)
+from agentrl_fast.envs import build_tokenizer
 
 
 @tool

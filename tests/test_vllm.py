@@ -22,10 +22,11 @@ import torch
 from agentrl_fast.config import RunConfig
 from agentrl_fast.config.generator import GeneratorConfig
 from agentrl_fast.config.sampling import SamplingParams
-from agentrl_fast.harness import (ChatFormat, RolloutEngine, ScriptedGenerator, ServerError,
-                                  VLLMGenerator, VLLMServer, expert_action)
+from agentrl_fast.harness import ChatFormat, RolloutEngine
+from agentrl_fast.generators import ScriptedGenerator, ServerError, VLLMGenerator, VLLMServer
+from agentrl_fast.envs import expert_action
 from agentrl_fast.models.attention import use_packed_attention
-from agentrl_fast.models.critic import policy_logprobs
+from agentrl_fast.models.policy import policy_logprobs
 from agentrl_fast.models.tiny import with_stop_direction
 from agentrl_fast.train.export import export_pretrained
 from agentrl_fast.train.run import build, train_run
@@ -151,7 +152,7 @@ def test_streamed_generations_equal_plain_ones_and_reach_the_proxys_client(serve
     streams them to an ``openai`` client as it streams the trainer's own generator."""
     import openai
 
-    from agentrl_fast.harness.proxy import Proxy, ProxyServer
+    from agentrl_fast.proxy import Proxy, ProxyServer
 
     generator, environment, chat, policy = served
     generator.update_weights(policy)

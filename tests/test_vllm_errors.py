@@ -14,8 +14,8 @@ import pytest
 
 from agentrl_fast.config import ConfigError, RunConfig, apply_overrides, validate
 from agentrl_fast.config.generator import GeneratorConfig
-from agentrl_fast.harness import ServerError, VLLMGenerator, VLLMServer
-from agentrl_fast.harness.vllm_server import free_port
+from agentrl_fast.generators import ServerError, VLLMGenerator, VLLMServer
+from agentrl_fast.generators.vllm_server import free_port
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -9,9 +9,9 @@ BACKENDS = ("torch", "vllm")
 
 @dataclass
 class GeneratorConfig:
-    """``backend``: ``"torch"`` (a :class:`~agentrl_fast.harness.generation.TorchGenerator` on
+    """``backend``: ``"torch"`` (a :class:`~agentrl_fast.generators.torch_generator.TorchGenerator` on
     the policy, in process) or ``"vllm"`` (vLLM servers over HTTP,
-    :class:`~agentrl_fast.harness.vllm_generator.VLLMGenerator`): ``url`` names running ones
+    :class:`~agentrl_fast.generators.vllm_generator.VLLMGenerator`): ``url`` names running ones
     (comma-separated), else a server is started for the run from ``python``, the vLLM
     environment's interpreter (``tools/setup_test_env.sh vllm`` builds one). ``max_concurrency``
     requests in flight, ``timeout`` seconds each, ``retries`` more tries of one that timed out;

@@ -46,6 +46,13 @@ class TrainConfig:
     gae_restart_at_compaction: bool = False
     bootstrap_truncated: bool = True  # False: a limit ends the episode (see train.advantages)
     whiten_advantages: bool = True
+    # The advantage estimator, a name in agentrl_fast.train.advantages.ADVANTAGE_ESTIMATORS
+    # ("gae", "grpo", or one registered with register_advantage) or "package.module:function";
+    # None: "gae" for ppo, "grpo" for grpo.
+    advantage_estimator: str | None = None
+    # The policy loss, a name in agentrl_fast.train.losses.POLICY_LOSSES ("ppo", or one
+    # registered with register_policy_loss) or "package.module:function".
+    policy_loss: str = "ppo"
     loss_agg_mode: str | None = None  # default: token-mean (ppo), rollout-mean (grpo)
     loss_norm_constant: float | None = None  # seq-mean-token-sum-norm's constant
     clip_low: float = 0.2
@@ -139,6 +146,11 @@ class TrainConfig:
         if self.max_rollout_rounds > 1 and not self.filter_groups:
             raise ValueError(f"max_rollout_rounds={self.max_rollout_rounds} needs filter_groups "
                              "(without it one round fills the batch)")
+        for name in ("advantage_estimator", "policy_loss"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a registered name or 'package.module:function', "
+                                 f"got {value!r}")
         if self.algo == "grpo" and self.critic_warmup_steps:
             raise ValueError("critic_warmup_steps needs algo='ppo' (GRPO has no critic)")
         if self.max_staleness and self.recompute_logprobs is False:
@@ -159,6 +171,14 @@ class TrainConfig:
         if self.recompute_logprobs is None:
             return self.max_staleness > 0
         return self.recompute_logprobs
+
+    @property
+    def advantage(self) -> str:
+        """``advantage_estimator``, or the algorithm's default: GAE across sub-traces (PPO),
+        group-relative outcome advantages (GRPO)."""
+        if self.advantage_estimator is not None:
+            return self.advantage_estimator
+        return "grpo" if self.algo == "grpo" else "gae"
 
     @property
     def loss_aggregation(self) -> str:

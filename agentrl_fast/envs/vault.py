@@ -19,7 +19,7 @@ reads the clock, so episodes are deterministic. Splits: ``"train"`` and a held-o
 whose vault lists never occur in ``"train"``.
 
 :func:`expert_action` is a scripted policy that reads the context text and returns the next
-assistant output; :class:`~agentrl_fast.harness.generation.ScriptedGenerator` runs it through
+assistant output; :class:`~agentrl_fast.generators.scripted.ScriptedGenerator` runs it through
 the real rollout engine (warm-start demonstrations and tests). With ``save_probability`` or
 ``read_probability`` below 1 it is a careless expert that skips saving, or reading back, some
 codes (a fixed choice per task and vault): demonstrations RL can improve on.
@@ -39,7 +39,7 @@ from agentrl_fast.harness.environment import SPLITS, Task
 from agentrl_fast.harness.memory import MemoryNamespace
 from agentrl_fast.seeds import derive_seed
 from agentrl_fast.harness.tool_calls import ToolCall, parse_tool_calls
-from agentrl_fast.harness.tools import Tool, ToolResult, tool
+from agentrl_fast.harness.tools import ToolResult, tool
 
 VAULT_NAMES = ("amber", "birch", "cedar", "delta", "ember", "frost", "grove", "haven", "iris",
                "jade", "kite", "lotus", "maple", "noble", "onyx", "pearl", "quartz", "raven",

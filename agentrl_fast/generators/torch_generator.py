@@ -1,7 +1,7 @@
-"""Generation for rollouts: the :class:`Generator` protocol and :class:`TorchGenerator`, batched
-sampling with a KV cache for Hugging Face causal LMs.
+"""Generation for rollouts in this process: :class:`TorchGenerator`, batched sampling with a KV
+cache for Hugging Face causal LMs.
 
-Sampling log-probs (DESIGN.md): ``log_softmax(logits / temperature)`` of the sampled token,
+Sampling log-probs (docs/design.md): ``log_softmax(logits / temperature)`` of the sampled token,
 before top-k/top-p truncation, so they equal the trainer's recomputed log-probs at the same
 temperature up to float rounding. Each sequence samples from its own ``torch.Generator`` seeded
 by the caller (one uniform per token, inverted through the batch's cumulative distribution), so
@@ -23,50 +23,14 @@ import functools
 import inspect
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from agentrl_fast.config.sampling import SamplingParams  # noqa: F401  (its old home)
+from agentrl_fast.config.sampling import SamplingParams
+from agentrl_fast.generators.base import Generation
 from agentrl_fast.models.wrappers import unwrap
-
-if TYPE_CHECKING:
-    from agentrl_fast.harness.chat_format import ChatFormat
-
-FINISH_REASONS = ("stop", "length", "error")
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One sequence's output: sampled ``ids`` (stop id included), their sampling ``logprobs``,
-    ``finish_reason`` ``"stop"`` or ``"length"``; ``"error"`` (no ids, ``error`` says why) when
-    an inference server failed the request: the rollout engine ends that episode. ``version``:
-    the policy version of the weights that sampled it (asynchronous training)."""
-
-    ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    error: str | None = None
-    version: int = 0
-
-
-class Generator(Protocol):
-    """What the rollout engine and the trainer need from an inference engine
-    (:class:`TorchGenerator`, :class:`~agentrl_fast.harness.vllm_generator.VLLMGenerator`; an
-    SGLang backend would implement the same calls)."""
-
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-                 seeds: Sequence[int] | None = None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Generation]:
-        """Continue each prompt (token ids) until a stop id or ``max_new_tokens``; ``seeds``:
-        one per prompt, for reproducible sampling; ``on_tokens(prompt index, ids)`` hears each
-        prompt's ids as they are sampled, in order (the proxy streams replies token by token
-        with it; a generator that cannot stream may tell them all at the end)."""
-
-    def update_weights(self, model: torch.nn.Module) -> None:
-        """Sample from ``model``'s current parameters from the next ``generate`` on."""
 
 
 def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams
@@ -445,28 +409,3 @@ def _shifted(on_tokens: Callable[[int, list[int]], None], offset: int, row: int,
     on_tokens(offset + row, ids)
 
 
-class ScriptedGenerator:
-    """A :class:`~agentrl_fast.harness.generation.Generator` that runs a text policy
-    (``policy(context_text) -> output_text``) through the real engine: it decodes each prompt,
-    asks the policy, and returns the output's ids plus the stop id the output calls for
-    (``</tool_call>`` ends a call in ``"tool_call"`` mode — it is the output's last token —
-    otherwise ``<|im_end|>``), with log-prob 0 (a deterministic policy)."""
-
-    def __init__(self, policy: Callable[[str], str], chat_format: "ChatFormat"):
-        self.policy = policy
-        self.chat_format = chat_format
-
-    def generate(self, prompts, sampling: SamplingParams, seeds=None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Generation]:
-        out = []
-        for index, prompt in enumerate(prompts):
-            text = self.policy(self.chat_format.decode(prompt))
-            ids = self.chat_format.encode(text)
-            if not (ids and ids[-1] in sampling.stop_ids):
-                ids.append(self.chat_format.im_end_id)
-            ids = ids[:sampling.max_new_tokens]
-            reason = "stop" if ids[-1] in sampling.stop_ids else "length"
-            for token in ids if on_tokens is not None else ():
-                on_tokens(index, [token])
-            out.append(Generation(ids, [0.0] * len(ids), reason))
-        return out

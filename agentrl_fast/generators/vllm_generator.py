@@ -1,4 +1,4 @@
-"""Rollouts on vLLM: :class:`VLLMGenerator`, the :class:`~agentrl_fast.harness.generation.
+"""Rollouts on vLLM: :class:`VLLMGenerator`, the :class:`~agentrl_fast.generators.base.
 Generator` protocol against running vLLM OpenAI-compatible servers.
 
 Token in, token out: prompts go to ``/v1/completions`` as token ids and the sampled ids come
@@ -12,8 +12,8 @@ Many requests are in flight at once (async HTTP on one event loop thread, at mos
 ``max_concurrency``), each sent to the server with the fewest outstanding requests. A request
 that times out is retried ``retries`` times, then its sequence fails (``finish_reason "error"``:
 the rollout engine ends that episode and the trainer leaves it out). A server that stops
-answering (connection refused, or its :class:`~agentrl_fast.harness.vllm_server.VLLMServer`
-exited) raises :class:`~agentrl_fast.harness.vllm_server.ServerError`. With ``on_tokens`` (the
+answering (connection refused, or its :class:`~agentrl_fast.generators.vllm_server.VLLMServer`
+exited) raises :class:`~agentrl_fast.generators.vllm_server.ServerError`. With ``on_tokens`` (the
 proxy streaming a reply) requests stream as server-sent events, each event's ids told as it
 comes; such a request is retried only if it timed out before its first ids.
 
@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from agentrl_fast.config.sampling import SamplingParams
-from agentrl_fast.harness.generation import Generation
+from agentrl_fast.generators.base import Generation
 from agentrl_fast.models.wrappers import unwrap
-from agentrl_fast.harness.vllm_server import ServerError, VLLMServer, log_tail
+from agentrl_fast.generators.vllm_server import ServerError, VLLMServer, log_tail
 
 
 _CONNECTION_TRIES = 3  # of a request whose connection failed (not timed out)
@@ -104,7 +104,7 @@ def _shm_root() -> str:
 
 class VLLMGenerator:
     """Generation on vLLM servers at ``base_url`` (one URL, a list of them, or
-    :class:`~agentrl_fast.harness.vllm_server.VLLMServer` objects, whose deaths are then
+    :class:`~agentrl_fast.generators.vllm_server.VLLMServer` objects, whose deaths are then
     reported with their logs). ``model``: the served model name (default the server's first);
     ``max_concurrency``: requests in flight over all servers; ``timeout``: seconds per request;
     ``retries``: more tries of a request that timed out; ``connect_timeout``: seconds to wait

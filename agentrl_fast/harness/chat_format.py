@@ -23,7 +23,7 @@ mean by it). Unknown roles, which the template drops silently, raise ``ValueErro
 :class:`ChatFormat` builds the same text as token ids piece by piece: each template fragment and
 each message content is tokenized alone, so a trajectory built turn by turn from sampled ids and
 appended template ids decodes to the same text without the conversation ever being
-re-tokenized as a whole (DESIGN.md, token-in/token-out).
+re-tokenized as a whole (docs/design.md, token-in/token-out).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ _BYTE_OF_CHAR = _byte_level_alphabet()
 class ChatFormat:
     """Token-level Qwen3 rendering with any HF tokenizer that has the Qwen3 special tokens.
 
-    ``stop_mode`` (DESIGN.md): ``"tool_call"`` — the model stops at its first ``</tool_call>``
+    ``stop_mode`` (docs/design.md): ``"tool_call"`` — the model stops at its first ``</tool_call>``
     (or at ``<|im_end|>`` when it answers without a call) and the harness closes the turn with
     ``<|im_end|>`` as template tokens; ``"im_end"`` — the model stops at ``<|im_end|>`` only and
     may make several calls per turn. ``enable_thinking`` as in the template's generation prompt.

@@ -1,6 +1,6 @@
 """The agent's memory: a namespaced key-value store on SQLite, reached by the model through tools.
 
-Memory is part of the environment (DESIGN.md, "The harness"): the model reads and writes it only
+Memory is part of the environment (docs/design.md, "The harness"): the model reads and writes it only
 with the five tools of :meth:`MemoryNamespace.tools`; tests and the trainer use the plain methods.
 
 - Storage: one table ``memory(namespace, key, value)`` keyed by ``(namespace, key)``, values are

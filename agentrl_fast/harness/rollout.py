@@ -1,5 +1,5 @@
 """Batched multi-turn rollouts: :class:`RolloutEngine` runs N tasks x M samples through a
-:class:`~agentrl_fast.harness.generation.Generator`, the environment's tools and memory, and
+:class:`~agentrl_fast.generators.base.Generator`, the environment's tools and memory, and
 compacts long contexts into sub-traces.
 
 Each rollout lives in a loop: generate until a stop, run the turn's tool calls, append the
@@ -36,16 +36,15 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from agentrl_fast.config.rollout import RolloutConfig  # noqa: F401  (its old home)
-from agentrl_fast.seeds import derive_seed  # noqa: F401  (its old home)
+from agentrl_fast.config.rollout import RolloutConfig
 from agentrl_fast.harness.chat_format import ChatFormat
 from agentrl_fast.harness.environment import Environment, Episode, Task
-from agentrl_fast.config.sampling import SamplingParams
-from agentrl_fast.harness.generation import Generation, Generator
+from agentrl_fast.generators.base import Generation, Generator
 from agentrl_fast.harness.memory import MemoryNamespace, MemoryStore
 from agentrl_fast.harness.tool_calls import ToolCall
 from agentrl_fast.harness.tools import ToolRegistry, ToolResult
 from agentrl_fast.harness.trajectory import Trajectory, apply_turn
+from agentrl_fast.seeds import derive_seed
 
 
 

@@ -10,7 +10,7 @@ calls, append the turn's end, the tool results and the next generation prompt as
 How a sub-trace ended (``end``): ``"terminal"`` (the episode is over; GAE bootstraps 0),
 ``"truncated"`` (cut by a limit; bootstrap with the critic's value after the last token),
 ``"continued"`` (compacted; bootstrap with the value at the first action token of the rollout's
-next sub-trace). See DESIGN.md ("Training").
+next sub-trace). See docs/design.md ("Training").
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class SubTrace:
 
     - ``ids``: token ids as the model saw them;
     - ``action_mask``: 1 exactly on sampled ids (stop tokens included), 0 on context;
-    - ``logprobs``: the sampling log-prob of each action token (DESIGN.md: ``log_softmax`` of
+    - ``logprobs``: the sampling log-prob of each action token (docs/design.md: ``log_softmax`` of
       ``logits / temperature`` before top-p/top-k), 0.0 on context;
     - ``rewards``: per-token rewards, nonzero only on action tokens (a turn's reward sits on
       its last action token);

@@ -1,4 +1,4 @@
-"""Triton kernels of the token-level PPO loss and the value loss (DESIGN.md, "Token-level PPO
+"""Triton kernels of the token-level PPO loss and the value loss (docs/design.md, "Token-level PPO
 loss"). Imports triton only.
 
 Each loss is three launches, with no atomics (deterministic) and no host sync:

@@ -1,4 +1,4 @@
-"""Triton kernels of ``token_logprobs`` (DESIGN.md, "Token-level PPO loss", log-probs).
+"""Triton kernels of ``token_logprobs`` (docs/design.md, "Token-level PPO loss", log-probs).
 
 For each row ``t`` of ``logits[T, V]`` and tempered logits ``z = logits[t] / temperature``:
 

@@ -1,4 +1,4 @@
-"""Triton kernels of ``varlen_attention`` (DESIGN.md, "Attention over packed trajectories").
+"""Triton kernels of ``varlen_attention`` (docs/design.md, "Attention over packed trajectories").
 
 Triton only, no torch: ``tests/triton_aot.py`` compiles every configuration for sm_90 ahead of
 time (``aot_specs()``), under any triton, in an environment without torch. The launcher is

@@ -15,8 +15,9 @@ with transformers' ``AttentionInterface`` and a mask function that builds no mas
 and SwiGLU MLPs on fused ops (``agentrl_fast.models.fused``).
 """
 
-from agentrl_fast.models.attention import (ATTN_NAME, packed_attention_forward, packed_attention_mask,
-                                           packed_forward, register_attention, use_packed_attention)
+from agentrl_fast.models.attention import (ATTN_NAME, packed_attention_forward,
+                                           packed_attention_mask, packed_forward,
+                                           register_attention, use_packed_attention)
 from agentrl_fast.models.fused import use_fused_layers
 from agentrl_fast.models.packing import pack, position_ids_from_cu_seqlens, unpack
 

@@ -1,6 +1,6 @@
 """Packed attention for HF models: ``varlen_attention`` behind transformers' attention interface.
 
-DESIGN.md, "Training": the policy and the critic run on packed input — one row of sequences laid
+docs/design.md, "Training": the policy and the critic run on packed input — one row of sequences laid
 end to end, position ids restarting per sequence — through transformers' attention interface.
 
 - ``register_attention()`` registers :func:`packed_attention_forward` with ``AttentionInterface``
@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from agentrl_fast.models.wrappers import is_sharded, unwrap  # noqa: F401  (old home)
 
+from agentrl_fast.models.wrappers import unwrap
 from agentrl_fast.ops._checks import check_cu_seqlens_metadata, validate_cu_seqlens
 from agentrl_fast.ops._tensor_memo import TensorMemo
 from agentrl_fast.ops.varlen_attention import varlen_attention
@@ -298,7 +298,7 @@ def packed_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Te
         input_ids: ``[1, T]`` or ``[T]`` (None when ``inputs_embeds`` is in ``kwargs``).
         position_ids: ``[1, T]`` or ``[T]``, restarting at 0 per sequence; None builds them from
             ``cu_seqlens``.
-        cu_seqlens: int32 ``[B+1]`` (DESIGN.md's packed layout; empty sequences allowed).
+        cu_seqlens: int32 ``[B+1]`` (docs/design.md's packed layout; empty sequences allowed).
         max_seqlen: a Python int, at least the longest sequence.
         validate: check ``cu_seqlens``/``max_seqlen`` values once, here, before the forward (one
             host sync on the GPU); the layers then skip it. False skips it entirely.

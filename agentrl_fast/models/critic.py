@@ -1,18 +1,12 @@
-"""Policy log-probs and critic values on packed batches, by DESIGN.md's position convention.
-
-Every per-token quantity at position ``t`` is about emitting token ``t``: ``logp[t] = log
-pi(x_t | x_<t)`` and ``V[t] = V(x_<t)``, both read from the model's output at position ``t - 1``
-of the same sequence; the first token of a sequence has neither (0 here). The value of the state
-after a sequence's last token is the critic's output at that last position.
+"""Critic values on packed batches, by docs/design.md's position convention: ``V[t] = V(x_<t)``,
+read from the critic's output at position ``t - 1`` of the same sequence (0 at a sequence's first
+token); the value of the state after a sequence's last token is the critic's output at that last
+position. Policy log-probs: :mod:`agentrl_fast.models.policy`.
 
 The critic is an HF token-classification model with one label (``AutoModelForTokenClassification``,
 as verl's critic): a backbone plus a scalar head, saved and loaded by ``save_pretrained`` /
 ``from_pretrained`` like any HF model. :func:`make_critic` builds it from the policy (same
 architecture, backbone weights copied, head initialised to zero so the first values are 0).
-
-Log-probs use the fused op: the backbone's hidden states times the LM head's weight through
-``linear_token_logprobs``, so ``[T, V]`` logits never exist at once (a head with a bias, or
-with tied scaling, falls back to the logits path).
 """
 
 from __future__ import annotations
@@ -22,102 +16,13 @@ import copy
 import torch
 
 from agentrl_fast.models.attention import packed_forward, use_packed_attention
-from agentrl_fast.models.wrappers import is_sharded, unwrap
 from agentrl_fast.models.fused import use_fused_layers, uses_fused_layers
-from agentrl_fast.ops import linear_token_logprobs, token_logprobs
-
-IGNORE_INDEX = -100
-
-
-def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``labels[r] = input_ids[r + 1]`` when row ``r + 1`` is in the same sequence, else
-    ``IGNORE_INDEX``: row ``r`` predicts the next token of its own sequence only.
-    ``input_ids [T]`` int64, ``cu_seqlens [B+1]`` int32 -> ``[T]`` int64."""
-    labels = torch.full_like(input_ids, IGNORE_INDEX)
-    if input_ids.numel() > 1:
-        labels[:-1] = input_ids[1:]
-    ends = cu_seqlens[1:].long() - 1
-    ends = ends[(ends >= 0) & (cu_seqlens[1:] > cu_seqlens[:-1])]
-    labels[ends] = IGNORE_INDEX
-    return labels
-
-
-def rows_to_tokens(per_row: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Move per-row outputs to the token they are about: ``out[t] = per_row[t - 1]`` within
-    each sequence, 0 at each sequence's first token. ``per_row [T]`` -> ``[T]``."""
-    out = torch.zeros_like(per_row)
-    if per_row.numel() > 1:
-        out[1:] = per_row[:-1]
-    starts = cu_seqlens[:-1].long()
-    starts = starts[cu_seqlens[1:] > cu_seqlens[:-1]]
-    out[starts] = 0
-    return out
+from agentrl_fast.models.policy import rows_to_tokens
 
 
 def _as_packed(model: torch.nn.Module) -> torch.nn.Module:
     name = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return model if name == "agentrl_varlen" else use_packed_attention(model)
-
-
-def policy_logprobs(policy: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                    cu_seqlens: torch.Tensor, max_seqlen: int, *, temperature: float = 1.0,
-                    return_entropy: bool = False, return_hidden: bool = False,
-                    token_mask: torch.Tensor | None = None):
-    """``logp [T]`` float32 (then ``entropy [T]`` with ``return_entropy``, then the backbone's
-    last hidden states ``[T, H]`` with ``return_hidden``, for a shared value head) of each token
-    under ``policy`` (an HF causal LM on packed attention) at ``temperature``; 0 at each
-    sequence's first token. ``input_ids``/``position_ids`` ``[1, T]``.
-
-    ``token_mask [T]`` (bool): only these tokens' log-probs (and entropies) are computed, the
-    others are 0 — the LM head and the softmax run on their rows alone. RL passes the action
-    mask: in a multi-turn trace most tokens are prompt and tool output (about 9 in 10 in the
-    built-in environment), whose log-probs no loss reads."""
-    module = unwrap(policy)
-    head = module.get_output_embeddings()
-    backbone = getattr(module, getattr(module, "base_model_prefix", "model"), None)
-    labels = next_token_labels(input_ids[0], cu_seqlens)
-    rows = None  # the rows whose token (the next one) is asked for; None: all
-    if token_mask is not None:
-        if token_mask.shape != labels.shape or token_mask.dtype != torch.bool:
-            raise ValueError(f"token_mask must be a bool tensor of shape {tuple(labels.shape)} "
-                             f"(one per token), got {token_mask.dtype} "
-                             f"{tuple(token_mask.shape)}")
-        wanted = torch.zeros_like(token_mask)
-        wanted[:-1] = token_mask[1:]
-        rows = torch.nonzero(wanted & (labels != IGNORE_INDEX)).squeeze(1)
-        labels = labels[rows]
-    # A sharded or wrapped model runs whole (its forward gathers the shards / syncs gradients).
-    plain_head = (not is_sharded(policy) and backbone is not None
-                  and isinstance(head, torch.nn.Linear)
-                  and getattr(module.config, "logit_scale", None) is None
-                  and getattr(module.config, "final_logit_softcapping", None) is None)
-    hidden = None
-    if plain_head:
-        hidden = packed_forward(backbone, input_ids, position_ids, cu_seqlens, max_seqlen,
-                                validate=False).last_hidden_state[0]
-        picked = hidden if rows is None else hidden.index_select(0, rows)
-        if head.bias is None:  # fused: the [T, V] logits never exist at once
-            out = linear_token_logprobs(picked, head.weight.to(hidden.dtype), labels,
-                                        temperature=temperature, return_entropy=return_entropy)
-        else:
-            out = token_logprobs(head(picked), labels, temperature=temperature,
-                                 return_entropy=return_entropy)
-    else:
-        if return_hidden:
-            raise ValueError("return_hidden needs an unsharded policy with a linear LM head "
-                             "without logit scaling or softcapping (a shared value head reads the "
-                             "backbone's hidden states)")
-        logits = packed_forward(policy, input_ids, position_ids, cu_seqlens, max_seqlen,
-                                validate=False).logits[0]
-        out = token_logprobs(logits if rows is None else logits.index_select(0, rows), labels,
-                             temperature=temperature, return_entropy=return_entropy)
-    out = list(out) if return_entropy else [out]
-    if rows is None:
-        out = [rows_to_tokens(x, cu_seqlens) for x in out]
-    else:  # row r is about token r + 1, never a sequence's first (its label would be ignored)
-        out = [x.new_zeros(input_ids.shape[1]).index_put((rows + 1,), x) for x in out]
-    out = out + ([hidden] if return_hidden else [])
-    return out[0] if len(out) == 1 else tuple(out)
 
 
 class ValueHead(torch.nn.Module):

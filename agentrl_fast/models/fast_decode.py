@@ -8,7 +8,7 @@ arithmetic on the model's own parameters (q/k/v and gate/up fused into one matri
 when a parameter changes), the way an inference engine keeps its own model code: one tensor per
 layer for keys and one for values, written in place, and one boolean mask of the columns each
 row may read. :func:`fast_decoder` returns ``None`` for a model it does not cover, and
-:class:`~agentrl_fast.harness.generation.TorchGenerator` then runs HF's ``forward``.
+:class:`~agentrl_fast.generators.torch_generator.TorchGenerator` then runs HF's ``forward``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class FastDecoder:
 
     def refresh(self, stamp: tuple) -> None:
         """Rebuild the fused matrices if the model's parameters changed (``stamp``:
-        :func:`~agentrl_fast.harness.generation.parameter_stamp` of the model, taken by the
+        :func:`~agentrl_fast.generators.base.parameter_stamp` of the model, taken by the
         caller once per batch)."""
         if stamp != self._stamp:
             layers = []

@@ -1,6 +1,6 @@
 """Packing sequences into one row for an HF model, and splitting per-token outputs back.
 
-DESIGN.md's packed layout: ``T`` tokens of ``B`` sequences laid end to end, ``cu_seqlens`` int32
+docs/design.md's packed layout: ``T`` tokens of ``B`` sequences laid end to end, ``cu_seqlens`` int32
 ``[B+1]`` (``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == T``, empty sequences
 allowed), position ids restarting at 0 in every sequence. No padding.
 """

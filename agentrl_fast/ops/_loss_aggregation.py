@@ -1,4 +1,4 @@
-"""Loss aggregation as one weight per token (DESIGN.md, "Token-level PPO loss"):
+"""Loss aggregation as one weight per token (docs/design.md, "Token-level PPO loss"):
 ``loss = sum_t w_t * l_t`` over action tokens, for every ``loss_agg_mode``. Plain torch, no
 host sync; the arguments are checked by the caller (``_loss_checks``)."""
 

@@ -1,4 +1,4 @@
-"""GAE over packed trajectories (DESIGN.md, "GAE over packed trajectories").
+"""GAE over packed trajectories (docs/design.md, "GAE over packed trajectories").
 
 The kernels are native (``csrc/gae.cpp`` for the CPU, ``csrc/gae.cu`` for CUDA), declared as
 ``torch.ops.agentrl_fast.gae`` / ``gae_out`` in ``csrc/bindings.cpp``; this module holds the

@@ -1,4 +1,4 @@
-"""Token-level PPO loss, its per-token loss weights and the value loss (DESIGN.md,
+"""Token-level PPO loss, its per-token loss weights and the value loss (docs/design.md,
 "Token-level PPO loss").
 
 - ``loss_weights(mode, action_mask, cu_seqlens, rollout_ids, norm_constant) -> w[T]``: the

@@ -1,6 +1,6 @@
 """Float64 references for every op, used by the tests and the benchmarks alike.
 
-They are written for clarity, straight from DESIGN.md, with Python loops where the definition
+They are written for clarity, straight from docs/design.md, with Python loops where the definition
 is a loop; none of them shares code with the kernels they check.
 """
 

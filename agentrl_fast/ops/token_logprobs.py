@@ -1,4 +1,4 @@
-"""Fused log-probs and entropy of the sampled tokens (DESIGN.md, "Token-level PPO loss", last
+"""Fused log-probs and entropy of the sampled tokens (docs/design.md, "Token-level PPO loss", last
 paragraph).
 
 ``token_logprobs(logits[T, V], labels[T])`` and ``linear_token_logprobs(hidden[T, H],

@@ -1,4 +1,4 @@
-"""Attention over packed variable-length trajectories (DESIGN.md, "Attention over packed
+"""Attention over packed variable-length trajectories (docs/design.md, "Attention over packed
 trajectories").
 
 ``varlen_attention(q[T, Hq, D], k[T, Hk, D], v[T, Hk, D], cu_seqlens, max_seqlen)``: each of the B

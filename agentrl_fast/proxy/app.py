@@ -21,11 +21,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentrl_fast.harness.proxy import Proxy
-from agentrl_fast.harness.proxy_session import (ChatRequest, ProxyError, Reply, internal_error,
-                                                parse_request, token_logprobs)
-from agentrl_fast.harness.proxy_responses import chat_body, response_events, response_of
-from agentrl_fast.harness.proxy_stream import ContentStream
+from agentrl_fast.proxy.service import Proxy
+from agentrl_fast.proxy.session import (ChatRequest, ProxyError, Reply, internal_error,
+                                        parse_request, token_logprobs)
+from agentrl_fast.proxy.responses import chat_body, response_events, response_of
+from agentrl_fast.proxy.stream import ContentStream
 
 
 def _error(error: ProxyError) -> JSONResponse:
@@ -187,7 +187,7 @@ async def _chat_events(stream: _Stream):
 
 
 def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
-    """The FastAPI app of ``proxy`` (:class:`~agentrl_fast.harness.proxy.ProxyServer` serves
+    """The FastAPI app of ``proxy`` (:class:`~agentrl_fast.proxy.server.ProxyServer` serves
     it)."""
     app = FastAPI(title="agentrl_fast proxy", docs_url=None, redoc_url=None, openapi_url=None)
 

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from typing import Any
 
 from agentrl_fast.harness.chat_format import ChatFormat
-from agentrl_fast.harness.proxy_session import ChatRequest, ProxyError, Reply, token_logprobs
+from agentrl_fast.proxy.session import ChatRequest, ProxyError, Reply, token_logprobs
 
 __all__ = ["ResponseStore", "chat_body", "response_events", "response_of"]
 

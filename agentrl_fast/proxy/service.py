@@ -1,7 +1,7 @@
-"""Train an agent harness unchanged: an OpenAI-compatible endpoint in front of any
-:class:`~agentrl_fast.harness.generation.Generator` that records token-exact trajectories.
+"""The proxy's service: :class:`Proxy` keeps token-exact sessions in front of any
+:class:`~agentrl_fast.generators.base.Generator` and batches their generations.
 
-    proxy = Proxy.for_trainer(trainer)              # the trainer's generator and sampling
+    proxy = proxy_for(trainer)                      # agentrl_fast.train.proxy_driver
     with ProxyServer(proxy) as server:              # uvicorn on 127.0.0.1, a free port
         session = proxy.create_session(task_id="t1")
         client = openai.OpenAI(base_url=server.base_url(session), api_key="-")
@@ -9,26 +9,19 @@
         trajectory = proxy.finish(session, reward=1.0)
         trainer.train_on([trajectory, ...])
 
-Endpoints (:mod:`~agentrl_fast.harness.proxy_http`): ``POST /s/{session}/v1/chat/completions``
-and ``POST /s/{session}/v1/responses`` (:mod:`~agentrl_fast.harness.proxy_responses`), whole or
-streamed token by token (:mod:`~agentrl_fast.harness.proxy_stream`), ``GET
-/s/{session}/v1/models``, ``POST /sessions``, ``POST /sessions/{id}/finish``. A session is one
-rollout: how requests extend it or start a new sub-trace is
-:mod:`~agentrl_fast.harness.proxy_session`'s doc. Sampling stays the run's: a
-request may restate ``temperature``/``top_p``, not change them; ``max_tokens`` is capped by the
-run's ``max_new_tokens``; ``stop`` strings end a turn where they end on a token boundary.
+Endpoints (:mod:`agentrl_fast.proxy.app`): ``POST /s/{session}/v1/chat/completions`` and ``POST
+/s/{session}/v1/responses`` (:mod:`agentrl_fast.proxy.responses`), whole or streamed token by
+token (:mod:`agentrl_fast.proxy.stream`), ``GET /s/{session}/v1/models``, ``POST /sessions``,
+``POST /sessions/{id}/finish``. A session is one rollout: how requests extend it or start a new
+sub-trace is :mod:`agentrl_fast.proxy.session`'s doc. Sampling stays the run's: a request may
+restate ``temperature``/``top_p``, not change them; ``max_tokens`` is capped by the run's
+``max_new_tokens``; ``stop`` strings end a turn where they end on a token boundary.
 
 Batching: requests of different sessions go to one worker thread, which waits
 ``batch_window`` seconds after the first for more (up to ``max_batch``) and generates each
 group of equal sampling parameters in one ``generate`` call; :meth:`Proxy.paused` holds it off
 (the trainer's update runs between generations). Each generation records :attr:`Proxy.version`,
 the policy version it sampled with.
-
-The driver (:func:`collect`, :func:`train_step`, :func:`train`): N agents (threads) against the
-server -> finished sessions -> ``Trainer.train_on`` -> the generator serves the new weights.
-
-Importing this module does not import the HTTP stack (FastAPI, uvicorn: the ``serve`` extra);
-:class:`ProxyServer` does when it starts.
 """
 
 from __future__ import annotations
@@ -42,7 +35,6 @@ import inspect
 import queue
 import re
 import secrets
-import socket
 import threading
 import time
 from collections import Counter
@@ -51,16 +43,16 @@ from typing import Any, Callable, Sequence
 
 from agentrl_fast.config.sampling import SamplingParams
 from agentrl_fast.harness.chat_format import ChatFormat
-from agentrl_fast.harness.generation import Generation, Generator
-from agentrl_fast.harness.proxy_responses import ResponseStore
-from agentrl_fast.harness.proxy_session import (ChatRequest, Plan, ProxyError, Reply, Session,
-                                                make_reply, parse_request)
+from agentrl_fast.generators.base import Generation, Generator
+from agentrl_fast.proxy.responses import ResponseStore
+from agentrl_fast.proxy.session import (ChatRequest, Plan, ProxyError, Reply, Session, make_reply,
+                                        parse_request)
 from agentrl_fast.harness.trajectory import Trajectory
 from agentrl_fast.seeds import derive_seed
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
-__all__ = ["Proxy", "ProxyError", "ProxyServer", "collect", "train", "train_step"]
+__all__ = ["Proxy", "ProxyError"]
 
 
 @dataclass
@@ -205,16 +197,6 @@ class Proxy:
         self.finished: queue.Queue[Trajectory] = queue.Queue()  # sessions finished over HTTP
         self._batcher = _Batcher(generator, batch_window, max_batch, lambda: self.version,
                                  lambda: len(self._sessions))
-
-    @classmethod
-    def for_trainer(cls, trainer, **options) -> "Proxy":
-        """A proxy on ``trainer``'s generator with its rollout sampling and budgets (the
-        generator the trainer refreshes after each update)."""
-        rollout = trainer.config.rollout
-        options = {"context_budget": rollout.context_budget,
-                   "max_total_tokens": rollout.max_total_tokens, "seed": trainer.config.seed,
-                   "version": trainer.step_index, **options}
-        return cls(trainer.engine.generator, trainer.chat_format, rollout.sampling, **options)
 
     # -- sessions ---------------------------------------------------------------------------------
 
@@ -379,126 +361,3 @@ class Proxy:
 
     def close(self) -> None:
         self._batcher.close()
-
-
-class ProxyServer:
-    """``proxy`` over HTTP: uvicorn in a thread of this process on ``host:port`` (0: a free
-    port); a context manager. ``max_body_bytes``: larger requests get a 413."""
-
-    def __init__(self, proxy: Proxy, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = 8 << 20):
-        self.proxy, self.host, self.max_body_bytes = proxy, host, max_body_bytes
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # Accepted connections inherit it: without it a response's second write waits for the
-        # client's delayed ACK (40 ms a request).
-        self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._socket.bind((host, port))
-        self.port = self._socket.getsockname()[1]
-        self._server = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def base_url(self, session_id: str) -> str:
-        """What an OpenAI client takes as ``base_url`` for ``session_id``."""
-        return f"{self.url}/s/{session_id}/v1"
-
-    def start(self, timeout: float = 30.0) -> "ProxyServer":
-        import uvicorn
-
-        from agentrl_fast.harness.proxy_http import create_app
-        app = create_app(self.proxy, max_body_bytes=self.max_body_bytes)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run,
-                                        kwargs={"sockets": [self._socket]},
-                                        name="proxy-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the proxy's HTTP server did not start on {self.url}")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=10)
-            self._server = None
-        self._socket.close()
-
-    def __enter__(self) -> "ProxyServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-# -- the driver -----------------------------------------------------------------------------------
-
-def _run_agent(server: ProxyServer, agent, task, sample_index: int) -> Trajectory:
-    proxy = server.proxy
-    session = proxy.create_session(task_id=getattr(task, "id", None), sample_index=sample_index)
-    try:
-        reward = agent(server.base_url(session), task)
-    except Exception as error:  # noqa: BLE001 - the agent's failure is this rollout's only
-        trajectory = proxy.finish(session, 0.0)
-        trajectory.error = f"the agent raised {type(error).__name__}: {error}"
-        return trajectory
-    return proxy.finish(session, float(reward or 0.0))
-
-
-def collect(server: ProxyServer, agent: Callable[[str, Any], float], tasks: Sequence,
-            samples_per_task: int = 1, workers: int = 8) -> list[Trajectory]:
-    """Run ``agent(base_url, task) -> reward`` for every task ``samples_per_task`` times, on
-    ``workers`` threads, each run in a session of its own; the finished trajectories in
-    (task, sample) order. An agent that raises gives a trajectory with ``error`` (not trained
-    on)."""
-    jobs = [(task, sample) for task in tasks for sample in range(samples_per_task)]
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(jobs)))) as pool:
-        return list(pool.map(lambda job: _run_agent(server, agent, *job), jobs))
-
-
-def fresh(trajectories: Sequence[Trajectory], version: int, max_staleness: int
-          ) -> list[Trajectory]:
-    """Those whose every action token is at most ``max_staleness`` versions behind
-    ``version`` (a session that spanned an update carries more than one version)."""
-    def oldest(t: Trajectory) -> int:
-        return min((v for s in t.sub_traces for v in s.action_versions()), default=version)
-    return [t for t in trajectories if version - oldest(t) <= max_staleness]
-
-
-def train_step(trainer, proxy: Proxy, trajectories: Sequence[Trajectory],
-               max_staleness: int = 0) -> dict[str, float]:
-    """One update on finished sessions (``Trainer.train_on``, generation paused meanwhile);
-    the proxy then samples with the new weights, as version ``trainer.step_index``."""
-    kept = fresh(trajectories, trainer.step_index, max_staleness)
-    with proxy.paused():
-        metrics = trainer.train_on(kept)
-        if proxy.generator is not trainer.engine.generator:  # train_on refreshed the trainer's
-            proxy.generator.update_weights(trainer.rollout_policy)
-        proxy.version = trainer.step_index
-    metrics["stale_rollouts_dropped"] = len(trajectories) - len(kept)
-    return metrics
-
-
-def train(trainer, server: ProxyServer, agent: Callable[[str, Any], float], steps: int,
-          workers: int = 8, log: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
-    """``steps`` rounds of: the trainer's next ``tasks_per_step`` tasks x ``samples_per_task``
-    agent runs through the proxy (:func:`collect`) -> :func:`train_step`."""
-    from agentrl_fast.train.data import next_tasks
-    config, history = trainer.config, []
-    for _ in range(steps):
-        tasks, trainer.data_position = next_tasks(trainer.tasks, trainer.data_position,
-                                                  config.tasks_per_step, config.seed)
-        trajectories = collect(server, agent, tasks, config.rollout.samples_per_task, workers)
-        metrics = train_step(trainer, server.proxy, trajectories)
-        history.append(metrics)
-        if log is not None:
-            log(metrics)
-    return history

@@ -1,6 +1,6 @@
 """The OpenAI proxy's sessions, without HTTP: request checking, the token-exact conversation a
 session holds, and the model's output as an OpenAI assistant message
-(:mod:`agentrl_fast.harness.proxy` serves them).
+(:mod:`agentrl_fast.proxy.service` serves them).
 
 A session is one rollout. It holds the canonical form of the conversation its current
 sub-trace renders (the last request's messages and the reply it got). A request *extends* the

@@ -1,7 +1,7 @@
 """Token-by-token streaming for the proxy: the content a client may see while a reply is still
 being sampled.
 
-The reply's final form (:func:`~agentrl_fast.harness.proxy_session.make_reply`) is known only
+The reply's final form (:func:`~agentrl_fast.proxy.session.make_reply`) is known only
 once the last id is in: a ``stop`` string cuts the text where it starts, valid ``<tool_call>``
 blocks leave the content and the rest is stripped. :class:`ContentStream` therefore sends a
 prefix of the text only while it is certain to begin the final content, and

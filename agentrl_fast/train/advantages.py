@@ -1,7 +1,16 @@
-"""Advantages for a global batch of sub-traces: GAE bootstrapped across the sub-traces of a
-rollout (PPO with a critic), and group-relative outcome advantages (GRPO).
+"""Advantages for a step's batch: GAE bootstrapped across the sub-traces of a rollout (PPO with
+a critic), and group-relative outcome advantages (GRPO), entries ``"gae"`` and ``"grpo"`` of
+the advantage-estimator registry (:data:`ADVANTAGE_ESTIMATORS`; ``train.advantage_estimator``
+chooses one, default by ``algo``). An estimator is a function
 
-Bootstrap of a sub-trace (DESIGN.md, "GAE over packed trajectories"): ``terminal`` 0;
+    estimator(batch: StepBatch, config: TrainConfig) -> (advantages [T], returns [T] | None)
+
+over the step's :class:`~agentrl_fast.train.step_batch.StepBatch` (its ``rewards``, ``values``,
+``last_values``, ``action_mask``, ``cu_seqlens``, ``rollout_index``, ``trajectories`` and
+``sub_traces``): float32 advantages, 0 on non-action tokens, and the critic's value targets
+(None for a run without a critic). Register your own with ``@register_advantage("name")``.
+
+Bootstrap of a sub-trace (docs/design.md, "GAE over packed trajectories"): ``terminal`` 0;
 ``truncated`` the critic's value after its last token; ``continued`` ``V`` at the first action
 token of the rollout's next sub-trace (a sub-trace without action tokens is skipped: the chain
 passes through to its own bootstrap). The lambda-return runs on through a compaction unless
@@ -22,8 +31,14 @@ from typing import Sequence
 
 import torch
 
+from agentrl_fast.config.train import TrainConfig
 from agentrl_fast.harness.trajectory import SubTrace, Trajectory
 from agentrl_fast.ops import gae, whiten
+from agentrl_fast.train.registry import Registry
+from agentrl_fast.train.step_batch import StepBatch
+
+ADVANTAGE_ESTIMATORS = Registry("train.advantage_estimator")
+register_advantage = ADVANTAGE_ESTIMATORS.register
 
 
 def _first_action(sub_trace: SubTrace) -> int | None:
@@ -156,33 +171,62 @@ def grpo_advantages(trajectories: Sequence[Trajectory], *, normalize_std: bool =
     return out
 
 
-def reference_kl(sub_traces: Sequence[SubTrace], old: Sequence[torch.Tensor],
-                 ref: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
-    """``(kl, mean)``: per sub-trace ``[len]`` k1 estimate ``old - ref`` on action tokens (0
-    elsewhere), and its mean over the batch's action tokens (the ``kl_ref`` metric)."""
-    kl = [torch.where(torch.tensor(s.action_mask, dtype=torch.bool), o - r, torch.zeros(()))
-          for s, o, r in zip(sub_traces, old, ref)]
-    action_tokens = max(sum(s.num_action_tokens for s in sub_traces), 1)
-    return kl, float(sum(k.sum() for k in kl)) / action_tokens
+def reference_kl(batch: StepBatch) -> tuple[torch.Tensor, float]:
+    """``(kl [T], mean)``: the k1 estimate ``old - ref`` on action tokens (0 elsewhere), and
+    its mean over the batch's action tokens (the ``kl_ref`` metric)."""
+    mask = batch.action_mask
+    kl = torch.where(mask, batch.old_logprobs - batch.ref_logprobs, torch.zeros(()))
+    action_tokens = max(int(mask.sum()), 1)
+    return kl, float(sum(piece.sum() for piece in batch.split(kl))) / action_tokens
 
 
-def step_advantages(config, trajectories: Sequence[Trajectory], sub_traces: Sequence[SubTrace],
-                    values: Sequence[torch.Tensor], last_values: torch.Tensor,
-                    rewards: Sequence[torch.Tensor]
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """``(advantages, returns)`` of a step's batch by ``config`` (a TrainConfig): PPO's GAE
-    (``lam`` for the policy, ``critic_lam`` for the critic's targets; whitened on request), or
-    GRPO's group-relative advantages (no returns)."""
-    if config.algo != "ppo":
-        return grpo_advantages(trajectories, normalize_std=config.grpo_normalize_std), None
-    kwargs = dict(gamma=config.gamma, rewards=rewards,
+@register_advantage("gae")
+def gae_estimator(batch: StepBatch, config: TrainConfig
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GAE across each rollout's sub-traces (:func:`gae_advantages`): ``lam`` for the policy,
+    ``critic_lam`` for the critic's targets; whitened over the batch on request."""
+    sub_traces, values = batch.sub_traces, batch.split(batch.values)
+    kwargs = dict(gamma=config.gamma, rewards=batch.split(batch.rewards),
                   bootstrap_truncated=config.bootstrap_truncated,
                   restart_at_compaction=config.gae_restart_at_compaction)
-    advantages, returns = gae_advantages(sub_traces, values, last_values, lam=config.lam,
+    advantages, returns = gae_advantages(sub_traces, values, batch.last_values, lam=config.lam,
                                          **kwargs)
     if config.critic_lam is not None and config.critic_lam != config.lam:
-        _, returns = gae_advantages(sub_traces, values, last_values, lam=config.critic_lam,
+        _, returns = gae_advantages(sub_traces, values, batch.last_values, lam=config.critic_lam,
                                     **kwargs)
     if config.whiten_advantages:
         advantages = whiten_per_sub_trace(advantages, sub_traces)
-    return advantages, returns
+    return _cat(advantages), _cat(returns)
+
+
+@register_advantage("grpo")
+def grpo_estimator(batch: StepBatch, config: TrainConfig
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Group-relative outcome advantages (:func:`grpo_advantages`); no value targets."""
+    advantages = grpo_advantages(batch.trajectories, normalize_std=config.grpo_normalize_std)
+    return _cat(advantages), None
+
+
+def _cat(per_sub_trace: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(list(per_sub_trace)) if per_sub_trace else torch.zeros(0)
+
+
+def step_advantages(batch: StepBatch, config: TrainConfig) -> None:
+    """Fill ``batch.advantages`` and ``batch.returns`` with the configured estimator, checking
+    what it returns (a user's function fails here, naming itself, not deep in the loss)."""
+    name = config.advantage
+    advantages, returns = ADVANTAGE_ESTIMATORS.get(name)(batch, config)
+    tokens = batch.packed.num_tokens
+    for what, value in (("advantages", advantages), ("returns", returns)):
+        if value is None and what == "advantages":
+            raise ValueError(f"advantage estimator {name!r} returned no advantages")
+        if value is not None and (not isinstance(value, torch.Tensor)
+                                  or tuple(value.shape) != (tokens,)):
+            raise ValueError(f"advantage estimator {name!r} must return [T] = [{tokens}] "
+                             f"tensors, got {what} of "
+                             f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+    if returns is None and config.algo == "ppo":
+        raise ValueError(f"advantage estimator {name!r} returned no value targets (returns), "
+                         "which PPO's critic trains on; return them, or use algo='grpo'")
+    batch.advantages = advantages.float()
+    batch.returns = None if returns is None else returns.float()

@@ -66,10 +66,9 @@ import torch
 from agentrl_fast.train.durable import (as_path, clean_stale_tmp, done_tmp_dir, fsync_and_hash,
                                         fsync_dir, install, new_tmp_dir, remove,
                                         remove_atomically, sha256_file)
-from agentrl_fast.train.export import export_pretrained  # noqa: F401  (its old home)
 
 __all__ = ["CheckpointError", "save_checkpoint", "save_distributed_checkpoint",
-           "load_checkpoint", "latest_checkpoint", "export_pretrained", "rng_state",
+           "load_checkpoint", "latest_checkpoint", "rng_state",
            "set_rng_state", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "agentrl_fast.checkpoint"

@@ -1,4 +1,4 @@
-"""Packing sub-traces into token-budget micro-batches (DESIGN.md: "The packed layout",
+"""Packing sub-traces into token-budget micro-batches (docs/design.md: "The packed layout",
 "Training").
 
 Two planning functions work on lengths only (pure Python, deterministic):
@@ -291,7 +291,7 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
 
 @dataclass
 class PackedBatch:
-    """``B`` sub-traces laid end to end in ``T`` tokens (DESIGN.md's packed layout, no padding).
+    """``B`` sub-traces laid end to end in ``T`` tokens (docs/design.md's packed layout, no padding).
 
     Fields (all tensors on one device):
 

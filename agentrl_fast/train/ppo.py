@@ -26,24 +26,27 @@ import torch
 from agentrl_fast.config.train import TrainConfig
 from agentrl_fast.harness.chat_format import ChatFormat
 from agentrl_fast.harness.environment import Environment
-from agentrl_fast.harness.generation import Generator, TorchGenerator
+from agentrl_fast.generators.base import Generator
+from agentrl_fast.generators.torch_generator import TorchGenerator
 from agentrl_fast.harness.memory import MemoryStore
 from agentrl_fast.harness.rollout import RolloutEngine, rollout_metrics
-from agentrl_fast.harness.trajectory import SubTrace, Trajectory
+from agentrl_fast.harness.trajectory import Trajectory
 from agentrl_fast.models.wrappers import unwrap
 from agentrl_fast.seeds import derive_seed
-from agentrl_fast.train.advantages import reference_kl, step_advantages
+from agentrl_fast.train.advantages import ADVANTAGE_ESTIMATORS, reference_kl, step_advantages
+from agentrl_fast.train.context import StepContext
 from agentrl_fast.train.data import groups_with_signal, next_tasks
-from agentrl_fast.train.distributed import World, full_state_dict, local_plan, rank_token_metrics
+from agentrl_fast.train.distributed import World, full_state_dict, rank_token_metrics
+from agentrl_fast.train.losses import POLICY_LOSSES
 from agentrl_fast.train.models import Models, build_models, build_optimizers, check_world
 from agentrl_fast.train.overlap import CriticOverlap
-from agentrl_fast.train.packing import rollout_index_map
 from agentrl_fast.train.producer import (consume, gather_groups, importance_metrics, rank_share,
                                          staleness_metrics, start_producer)
-from agentrl_fast.train.scoring import Scores, logprob_mismatch, policy_scores, score
+from agentrl_fast.train.scoring import logprob_mismatch, policy_scores, score
 from agentrl_fast.train.state import (export_models, load_trainer_state, resume,
                                       save_trainer_checkpoint, trainer_state)
-from agentrl_fast.train.update import UpdateContext, adapted_kl_coef, update_epochs
+from agentrl_fast.train.step_batch import StepBatch
+from agentrl_fast.train.update import Optimizers, adapted_kl_coef, update_epochs
 
 
 class Trainer:
@@ -56,7 +59,7 @@ class Trainer:
     The policy samples rollouts through :class:`TorchGenerator` and trains on packed batches.
 
     ``generator``: what rollouts sample with (default a :class:`TorchGenerator` on the policy;
-    for example a :class:`~agentrl_fast.harness.vllm_generator.VLLMGenerator`): it gets the
+    for example a :class:`~agentrl_fast.generators.vllm_generator.VLLMGenerator`): it gets the
     policy's weights at the start and after every step (``update_weights``). Rollouts it failed
     (``Trajectory.error``) are not trained on and are counted in ``failed_episodes``.
 
@@ -75,6 +78,8 @@ class Trainer:
             # Checked here, not in TrainConfig: a run config leaves the folder to the run.
             raise ValueError("checkpoint_every needs checkpoint_dir")
         check_world(config, world)
+        ADVANTAGE_ESTIMATORS.get(config.advantage)  # a bad name fails here, naming the field
+        POLICY_LOSSES.get(config.policy_loss)
         self.config, self.chat_format, self.environment, self.log = (config, chat_format,
                                                                       environment, log)
         self.world = world  # None: one process
@@ -129,7 +134,7 @@ class Trainer:
 
     def train_on(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One step on whole rollouts collected elsewhere (the OpenAI proxy's finished sessions,
-        :mod:`agentrl_fast.harness.proxy`), as :meth:`step` trains on its own: scores,
+        :mod:`agentrl_fast.proxy.service`), as :meth:`step` trains on its own: scores,
         advantages, updates, schedules, the generator's weights refreshed. Rollouts with an
         ``error`` are counted, not trained on."""
         if self.producer is not None:
@@ -156,7 +161,7 @@ class Trainer:
         sub_traces = [s for t in trajectories for s in t.sub_traces]
         learned = bool(sub_traces)  # filter_groups may keep no group: nothing to learn from
         if learned:
-            metrics.update(self._learn(trajectories, sub_traces))
+            metrics.update(self._learn(trajectories))
         policy_lr = self.policy_scheduler.get_last_lr()[0]  # the rate this step used
         # A schedule moves when its optimizer stepped (policy, or the shared head).
         if learned and (self.step_index >= config.critic_warmup_steps
@@ -251,58 +256,39 @@ class Trainer:
                                                self.config.tasks_per_step, self.config.seed)
         return tasks
 
-    def _learn(self, trajectories: list[Trajectory], sub_traces: list[SubTrace]
-               ) -> dict[str, float]:
+    def _learn(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """Score, advantages, update and KL control on one batch of whole rollouts."""
         config, metrics = self.config, {}
-        rollout_index = rollout_index_map(sub_traces)
-        old, ref, values, last = self._score(sub_traces, rollout_index)
+        batch = StepBatch.of(trajectories)
+        context = self._context()
+        overlap = self.critic is not None and policy_scores(self.models, config)
+        with self.overlap.beside(overlap) as beside:
+            score(self.models, batch, context, beside)
         if self.world is not None:
-            metrics.update(rank_token_metrics(self.world, [len(s) for s in sub_traces]))
+            metrics.update(rank_token_metrics(self.world, batch.lengths))
         if config.recomputes:
-            metrics.update(logprob_mismatch(sub_traces, old))
+            metrics.update(logprob_mismatch(batch))
         if self.producer is not None:
             metrics.update(self._async_metrics)
-            metrics.update(staleness_metrics(sub_traces, self.step_index, config.max_staleness))
-            metrics.update(importance_metrics(sub_traces, old, config.tis_cap))
-        rewards = [torch.tensor(s.rewards) for s in sub_traces]
+            metrics.update(staleness_metrics(batch.sub_traces, self.step_index,
+                                             config.max_staleness))
+            metrics.update(importance_metrics(batch.sub_traces, batch.split(batch.old_logprobs),
+                                              config.tis_cap))
         if self.reference is not None:
-            kl, metrics["kl_ref"] = reference_kl(sub_traces, old, ref)
+            kl, metrics["kl_ref"] = reference_kl(batch)
             if config.kl_mode == "reward":
-                rewards = [r - self.kl_coef * k for r, k in zip(rewards, kl)]
-        advantages, returns = step_advantages(config, trajectories, sub_traces, values, last,
-                                              rewards)
-        metrics.update(self._update(sub_traces, rollout_index, old, ref, values, advantages,
-                                    returns))
+                batch.rewards = batch.rewards - self.kl_coef * kl
+        step_advantages(batch, config)
+        optimizers = Optimizers(self.policy_optimizer, self.critic_optimizer)
+        metrics.update(update_epochs(self.models, optimizers, context, batch))
         if self.step_index >= config.critic_warmup_steps:  # the policy moved
             self.kl_coef = adapted_kl_coef(self.kl_coef, metrics.get("kl_ref"),
                                            len(trajectories), config)
         return metrics
 
-    def _plan(self, sub_traces, indices) -> list[list[int] | None]:
-        """This rank's micro-batches of ``indices`` (:func:`~agentrl_fast.train.distributed.
-        local_plan`)."""
-        return local_plan([len(s) for s in sub_traces], indices, self.config.micro_batch_tokens,
-                          self.world)
-
-    def _score(self, sub_traces, rollout_index) -> Scores:
-        """The batch's scores (:func:`~agentrl_fast.train.scoring.score`), the critic beside
-        the policy."""
-        overlap = self.critic is not None and policy_scores(self.models, self.config)
-        with self.overlap.beside(overlap) as beside:
-            return score(self.models, sub_traces, rollout_index,
-                         self._plan(sub_traces, range(len(sub_traces))), device=self.device,
-                         temperature=self.temperature,
-                         recompute_logprobs=self.config.recomputes, world=self.world,
-                         beside=beside)
-
-    def _update(self, sub_traces, rollout_index, old, ref, values, advantages, returns):
-        """The step's updates (:func:`~agentrl_fast.train.update.update_epochs`)."""
-        context = UpdateContext(self.config, self.device, self.temperature, self.kl_coef,
-                                self.world, self._plan)
-        return update_epochs(self.models, self.policy_optimizer, self.critic_optimizer, context,
-                             sub_traces, rollout_index, old, ref, values, advantages, returns,
-                             step=self.step_index, overlap=self.overlap)
+    def _context(self) -> StepContext:
+        return StepContext(self.config, self.device, self.temperature, self.kl_coef,
+                           self.step_index, self.world, self.overlap)
 
     def refresh_rollout_policy(self) -> None:
         """The generator samples from the updated policy: under FSDP the shards are first

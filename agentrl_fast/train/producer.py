@@ -37,7 +37,8 @@ from typing import Sequence
 
 import torch
 
-from agentrl_fast.harness.generation import Generation, Generator, TorchGenerator
+from agentrl_fast.generators.base import Generation, Generator
+from agentrl_fast.generators.torch_generator import TorchGenerator
 from agentrl_fast.harness.rollout import RolloutEngine
 from agentrl_fast.harness.trajectory import Trajectory
 from agentrl_fast.models.wrappers import unwrap
@@ -75,7 +76,7 @@ class _VersionedGenerator:
 
 class RolloutProducer:
     """See the module doc. ``engine``'s generator samples from ``model`` (the producer's own
-    copy of the policy; for a :class:`~agentrl_fast.harness.generation.TorchGenerator` it is the
+    copy of the policy; for a :class:`~agentrl_fast.generators.torch_generator.TorchGenerator` it is the
     generator's model); ``tasks``: the train split; ``start``: the first stream position;
     ``version``: the weights' version now; ``capacity``: groups buffered or in flight at most."""
 

@@ -25,9 +25,9 @@ from typing import Callable
 import torch
 
 from agentrl_fast.config import ConfigError, RunConfig, to_dict, validate
-from agentrl_fast.harness import (ChatFormat, Generator, RolloutEngine, ScriptedGenerator,
-                                  TorchGenerator, VaultEnvironment, build_tokenizer,
-                                  expert_action, rollout_metrics)
+from agentrl_fast.harness import ChatFormat, RolloutEngine, rollout_metrics
+from agentrl_fast.generators import Generator, ScriptedGenerator, TorchGenerator
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer, expert_action
 from agentrl_fast.models.fused import use_fused_layers
 from agentrl_fast.models.tiny import tiny_qwen3
 from agentrl_fast.train.distributed import World, init_world, shutdown

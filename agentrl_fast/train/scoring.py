@@ -1,27 +1,20 @@
-"""Scoring a batch before the update: per sub-trace, the old log-probs PPO's ratio starts from
+"""Scoring a step's batch before the update: the old log-probs PPO's ratio starts from
 (recomputed, or the rollout's own), the reference log-probs (for the KL), the critic's values
-and the value after each sub-trace's last token (GAE's bootstrap)."""
+and the value after each sub-trace's last token (GAE's bootstrap), written into the
+:class:`~agentrl_fast.train.step_batch.StepBatch`."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable
 
 import torch
 
-from agentrl_fast.harness.trajectory import SubTrace
-from agentrl_fast.models.critic import critic_values, policy_logprobs
-from agentrl_fast.train.distributed import World, empty_batch
+from agentrl_fast.models.critic import critic_values
+from agentrl_fast.models.policy import policy_logprobs
+from agentrl_fast.train.context import StepContext
+from agentrl_fast.train.distributed import empty_batch
 from agentrl_fast.train.models import Models
-from agentrl_fast.train.packing import PackedBatch, pack_sub_traces
-
-
-class Scores(NamedTuple):
-    """Per sub-trace ``[len]`` CPU tensors (None where not computed) and ``last[B]``."""
-
-    old: list
-    ref: list
-    values: list
-    last: torch.Tensor
+from agentrl_fast.train.step_batch import MicroBatch, StepBatch
 
 
 def policy_scores(models: Models, config) -> bool:
@@ -37,87 +30,110 @@ def _values_without_grad(critic, inputs):
         return tuple(x.cpu() for x in critic_values(critic, *inputs))
 
 
+class _Scored:
+    """Per-sub-trace results of this rank, before they are written into the batch."""
+
+    def __init__(self):
+        self.old, self.ref, self.values, self.last = {}, {}, {}, {}
+
+    def put(self, name: str, group: list[int], micro: MicroBatch, per_token) -> None:
+        for i, piece in zip(group, micro.packed.split(per_token)):
+            getattr(self, name)[i] = piece
+
+
 @torch.no_grad()
-def score(models: Models, sub_traces: Sequence[SubTrace], rollout_index: dict,
-          plan: list[list[int] | None], *, device: torch.device, temperature: float,
-          recompute_logprobs: bool, world: World | None, beside: Callable) -> Scores:
-    """The batch's :class:`Scores`. ``plan``: this rank's micro-batches (None: an empty one,
-    collectives only); on several ranks each scores its share, then all are gathered.
-    ``beside(fn, *args) -> result()`` runs the critic beside the policy."""
+def score(models: Models, batch: StepBatch, ctx: StepContext, beside: Callable) -> None:
+    """Fill ``batch``'s ``old_logprobs``, ``ref_logprobs``, ``values`` and ``last_values``.
+    On several ranks each scores its share (``ctx.plan``; None: an empty micro-batch,
+    collectives only), then all are gathered. ``beside(fn, *args) -> result()`` runs the critic
+    beside the policy."""
     for model in (models.policy, models.critic, models.reference, models.value_head):
         if model is not None:
             model.eval()  # targets without dropout noise
-    n = len(sub_traces)
-    old, ref, values = [None] * n, [None] * n, [None] * n
-    last = torch.zeros(n)
-    scored: list[int] = []
-    for group in plan:
+    scored = _Scored()
+    for group in ctx.plan(batch, range(batch.num_sequences)):
         if group is None:  # take part in the sharded models' collectives
-            _score_nothing(models, empty_batch(device), temperature, recompute_logprobs)
+            _score_nothing(models, ctx)
             continue
-        scored += group
-        batch = pack_sub_traces(sub_traces, group, rollout_index).to(device)
-        inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+        micro = batch.micro(group).to(ctx.device)
+        inputs = micro.model_inputs()
         # Results are kept on the CPU (advantages are computed there, ranks gather them).
         critic_job = beside(_values_without_grad, models.critic, inputs) \
             if models.critic is not None else None
-        _score_policy(models, group, batch, inputs, old, ref, values, last, temperature,
-                      recompute_logprobs)
+        _score_policy(models, ctx, group, micro, scored)
         if critic_job is not None:
             v, v_last = critic_job()
-            for k, (i, vi) in enumerate(zip(group, batch.split(v))):
-                values[i], last[i] = vi, v_last[k]
-    if world is not None:
-        for part in world.all_gather({i: (old[i], ref[i], values[i], float(last[i]))
-                                      for i in scored}):
-            for i, (o, r, v, lv) in part.items():
-                old[i], ref[i], values[i], last[i] = o, r, v, lv
-    if not recompute_logprobs:
-        old = [torch.tensor(s.logprobs, dtype=torch.float32) for s in sub_traces]
-    return Scores(old, ref, values, last)
+            scored.put("values", group, micro, v)
+            scored.last.update(zip(group, v_last))
+    if ctx.world is not None:
+        _gather(ctx, scored)
+    _write(batch, scored, ctx.config.recomputes)
 
 
-def logprob_mismatch(sub_traces: Sequence[SubTrace], old: list) -> dict[str, float]:
+def _gather(ctx: StepContext, scored: _Scored) -> None:
+    """Every rank's results on every rank."""
+    mine = {i: (scored.old.get(i), scored.ref.get(i), scored.values.get(i),
+                float(scored.last.get(i, 0.0)))
+            for i in set(scored.old) | set(scored.ref) | set(scored.values) | set(scored.last)}
+    for part in ctx.world.all_gather(mine):
+        for i, (o, r, v, lv) in part.items():
+            for name, value in (("old", o), ("ref", r), ("values", v)):
+                if value is not None:
+                    getattr(scored, name)[i] = value
+            scored.last[i] = lv
+
+
+def _write(batch: StepBatch, scored: _Scored, recomputed: bool) -> None:
+    for name, field in (("old", "old_logprobs"), ("ref", "ref_logprobs"), ("values", "values")):
+        parts = getattr(scored, name)
+        if parts:
+            per_token = torch.zeros(batch.packed.num_tokens)
+            batch.scatter(per_token, list(parts), list(parts.values()))
+            setattr(batch, field, per_token)
+    for i, value in scored.last.items():
+        batch.last_values[i] = value
+    if not recomputed:  # the rollout's own sampling log-probs
+        batch.old_logprobs = batch.packed.rollout_logprobs.clone()
+
+
+def logprob_mismatch(batch: StepBatch) -> dict[str, float]:
     """Rollout vs trainer log-probs on action tokens (measured every step)."""
-    diffs = [(torch.tensor(s.logprobs) - o)[torch.tensor(s.action_mask, dtype=torch.bool)]
-             for s, o in zip(sub_traces, old)]
-    diff = torch.cat(diffs) if diffs else torch.zeros(0)
+    mask = batch.action_mask
+    diff = (batch.packed.rollout_logprobs - batch.old_logprobs)[mask]
     if diff.numel() == 0:
         return {"logprob_mismatch_mean": 0.0, "logprob_mismatch_max": 0.0}
     return {"logprob_mismatch_mean": float(diff.abs().mean()),
             "logprob_mismatch_max": float(diff.abs().max())}
 
 
-def _score_nothing(models: Models, inputs: tuple, temperature: float,
-                   recompute_logprobs: bool) -> None:
+def _score_nothing(models: Models, ctx: StepContext) -> None:
     """The forwards a rank with no work runs so the sharded models' collectives match."""
-    if recompute_logprobs or models.value_head is not None:
-        policy_logprobs(models.policy, *inputs, temperature=temperature)
+    inputs = empty_batch(ctx.device)
+    if ctx.config.recomputes or models.value_head is not None:
+        policy_logprobs(models.policy, *inputs, temperature=ctx.temperature)
     if models.reference is not None:
-        policy_logprobs(models.reference, *inputs, temperature=temperature)
+        policy_logprobs(models.reference, *inputs, temperature=ctx.temperature)
     if models.critic is not None:
         critic_values(models.critic, *inputs)
 
 
-def _score_policy(models: Models, group: list[int], batch: PackedBatch, inputs: tuple, old: list,
-                  ref: list, values: list, last: torch.Tensor, temperature: float,
-                  recompute_logprobs: bool) -> None:
-    """Old (and reference) log-probs of a packed group; with a shared head, its values."""
-    mask = batch.action_mask  # no loss reads the other tokens' log-probs
+def _score_policy(models: Models, ctx: StepContext, group: list[int], micro: MicroBatch,
+                  scored: _Scored) -> None:
+    """Old (and reference) log-probs of a micro-batch; with a shared head, its values."""
+    inputs, mask = micro.model_inputs(), micro.action_mask  # no loss reads the other tokens'
+    temperature = ctx.temperature
     if models.value_head is not None:
         logp, hidden = policy_logprobs(models.policy, *inputs, temperature=temperature,
                                        return_hidden=True, token_mask=mask)
-        v, v_last = (x.cpu() for x in models.value_head(hidden, batch.cu_seqlens))
-        for k, (i, vi) in enumerate(zip(group, batch.split(v))):
-            values[i], last[i] = vi, v_last[k]
-    elif recompute_logprobs:
+        v, v_last = (x.cpu() for x in models.value_head(hidden, micro.packed.cu_seqlens))
+        scored.put("values", group, micro, v)
+        scored.last.update(zip(group, v_last))
+    elif ctx.config.recomputes:
         logp = policy_logprobs(models.policy, *inputs, temperature=temperature, token_mask=mask)
     else:
-        logp = None  # the rollout's log-probs stand in (``score``)
+        logp = None  # the rollout's log-probs stand in (``_write``)
     if logp is not None:
-        for i, lp in zip(group, batch.split(logp.cpu())):
-            old[i] = lp
+        scored.put("old", group, micro, logp.cpu())
     if models.reference is not None:
-        for i, lp in zip(group, batch.split(policy_logprobs(
-                models.reference, *inputs, temperature=temperature, token_mask=mask).cpu())):
-            ref[i] = lp
+        scored.put("ref", group, micro, policy_logprobs(
+            models.reference, *inputs, temperature=temperature, token_mask=mask).cpu())

@@ -1,6 +1,6 @@
 """A run's generator (``RunConfig.generator``): ``None`` for the in-process
-:class:`~agentrl_fast.harness.generation.TorchGenerator`, or a
-:class:`~agentrl_fast.harness.vllm_generator.VLLMGenerator` on the servers at ``url``, or on a
+:class:`~agentrl_fast.generators.torch_generator.TorchGenerator`, or a
+:class:`~agentrl_fast.generators.vllm_generator.VLLMGenerator` on the servers at ``url``, or on a
 server started for the run from the policy exported as a model folder (config, safetensors,
 tokenizer) in ``run_dir/serving``, its log in ``run_dir/vllm-server.log``."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Iterator
 
 from agentrl_fast.config import ConfigError, RunConfig
-from agentrl_fast.harness.generation import Generator
-from agentrl_fast.harness.vllm_generator import VLLMGenerator
-from agentrl_fast.harness.vllm_server import VLLMServer
+from agentrl_fast.generators.base import Generator
+from agentrl_fast.generators.vllm_generator import VLLMGenerator
+from agentrl_fast.generators.vllm_server import VLLMServer
 from agentrl_fast.train.export import export_pretrained
 
 

@@ -10,11 +10,12 @@ import torch
 
 from agentrl_fast.harness.chat_format import ChatFormat
 from agentrl_fast.harness.environment import Environment, Task
-from agentrl_fast.harness.generation import ScriptedGenerator
-from agentrl_fast.harness.rollout import RolloutConfig, RolloutEngine
+from agentrl_fast.generators.scripted import ScriptedGenerator
+from agentrl_fast.config.rollout import RolloutConfig
+from agentrl_fast.harness.rollout import RolloutEngine
 from agentrl_fast.harness.trajectory import SubTrace, Trajectory
 from agentrl_fast.models.attention import use_packed_attention
-from agentrl_fast.models.critic import policy_logprobs
+from agentrl_fast.models.policy import policy_logprobs
 from agentrl_fast.seeds import derive_seed
 from agentrl_fast.train.packing import micro_batches, pack_sub_traces
 

@@ -11,9 +11,8 @@ from typing import Any
 import torch
 
 from agentrl_fast.models.wrappers import unwrap
-from agentrl_fast.train.checkpoint import (latest_checkpoint, rng_state,
-                                           save_checkpoint, save_distributed_checkpoint,
-                                           set_rng_state)
+from agentrl_fast.train.checkpoint import (latest_checkpoint, rng_state, save_checkpoint,
+                                           save_distributed_checkpoint, set_rng_state)
 from agentrl_fast.train.distributed import full_state_dict
 from agentrl_fast.train.export import export_pretrained
 

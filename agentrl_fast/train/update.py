@@ -1,38 +1,73 @@
 """The updates of a step: K epochs over seeded mini-batches of whole rollouts; per mini-batch
-the policy's optimizer step over its micro-batches (``ppo_loss``, and with a shared head
-``value_loss``, in one backward) and the separate critic's (``value_loss``), with the loss
-weights of the mini-batch; then the adaptive KL coefficient."""
+the policy's optimizer step over its micro-batches (the configured policy loss,
+:mod:`agentrl_fast.train.losses`, and with a shared head ``value_loss``, in one backward) and
+the separate critic's (``value_loss``), with the loss weights of the mini-batch; then the
+adaptive KL coefficient. Everything is read from the step's
+:class:`~agentrl_fast.train.step_batch.StepBatch`."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
-from typing import Callable
+from typing import NamedTuple
 
 import torch
 
-from agentrl_fast.models.critic import critic_values, policy_logprobs
-from agentrl_fast.ops import loss_weights, ppo_loss, value_loss
+from agentrl_fast.models.critic import critic_values
+from agentrl_fast.models.policy import policy_logprobs
+from agentrl_fast.ops import loss_weights, value_loss
 from agentrl_fast.seeds import derive_seed
-from agentrl_fast.train.distributed import World, empty_batch, gradient_sync
+from agentrl_fast.train.context import StepContext
+from agentrl_fast.train.distributed import empty_batch, gradient_sync
+from agentrl_fast.train.losses import POLICY_LOSSES
 from agentrl_fast.train.models import Models
-from agentrl_fast.train.overlap import CriticOverlap
-from agentrl_fast.train.packing import pack_sub_traces
+from agentrl_fast.train.step_batch import MicroBatch, StepBatch
 
 
-@dataclass
-class UpdateContext:
-    """What every micro-batch of an update needs: the config (a TrainConfig), the models'
-    device, the sampling temperature, this step's KL coefficient, the world (None: one
-    process) and ``plan(sub_traces, indices)``: this rank's micro-batches (None: an empty one)."""
+class Optimizers(NamedTuple):
+    policy: torch.optim.Optimizer
+    critic: torch.optim.Optimizer | None
 
-    config: object
-    device: torch.device
-    temperature: float
-    kl_coef: float
-    world: World | None
-    plan: Callable
+
+class Sums:
+    """A metric's sums over micro-batches (and ranks): plain sums (losses), sums weighted by
+    action tokens (averaged per token at the end) and maxima."""
+
+    def __init__(self):
+        self.plain: Counter = Counter()
+        self.per_token: Counter = Counter()
+        self.maxima: dict[str, float] = {}
+        self.tokens = 0.0
+
+    def add_tokens(self, tokens: float, metrics: dict[str, float]) -> None:
+        self.tokens += tokens
+        for key, value in metrics.items():
+            self.per_token[key] += float(value) * tokens
+
+    def add_max(self, key: str, value: float) -> None:
+        self.maxima[key] = max(self.maxima.get(key, 0.0), float(value))
+
+    def reduced(self, world) -> Sums:
+        """The sums over every rank (the same keys everywhere)."""
+        if world is None:
+            return self
+        flat = Counter({**{f"plain {k}": v for k, v in self.plain.items()},
+                        **{f"token {k}": v for k, v in self.per_token.items()},
+                        **{f"max {k}": v for k, v in self.maxima.items()}, "tokens": self.tokens})
+        flat = world.summed(flat, maxima=[k for k in flat if k.startswith("max ")])
+        out = Sums()
+        for key, value in flat.items():
+            kind, _, name = key.partition(" ")
+            if key == "tokens":
+                out.tokens = value
+            else:
+                {"plain": out.plain, "token": out.per_token, "max": out.maxima}[kind][name] = value
+        return out
+
+    def averages(self, least_tokens: float = 1.0) -> dict[str, float]:
+        tokens = max(self.tokens, least_tokens)
+        return {**self.plain, **{k: v / tokens for k, v in self.per_token.items()},
+                **self.maxima}
 
 
 def mini_batches(num_rollouts: int, count: int, seed: int, step: int, epoch: int
@@ -44,63 +79,66 @@ def mini_batches(num_rollouts: int, count: int, seed: int, step: int, epoch: int
     return [order[i:i + size] for i in range(0, num_rollouts, size)]
 
 
-def update_epochs(models: Models, policy_optimizer, critic_optimizer, ctx: UpdateContext,
-                  sub_traces, rollout_index, old, ref, values, advantages, returns, *,
-                  step: int, overlap: CriticOverlap) -> dict[str, float]:
+def _by_rollout(batch: StepBatch) -> list[list[int]]:
+    """The step's sub-trace numbers of each rollout, in rollout-number order."""
+    members: dict[int, list[int]] = {}
+    for i, rollout in enumerate(batch.rollout_index.tolist()):
+        members.setdefault(rollout, []).append(i)
+    return [members[r] for r in sorted(members)]
+
+
+def update_epochs(models: Models, optimizers: Optimizers, ctx: StepContext,
+                  batch: StepBatch) -> dict[str, float]:
     """The step's updates: ``epochs`` (policy) and ``critic_epochs`` (critic) passes over
     mini-batches of whole rollouts, the critic's beside the policy's. The policy is not
     trained before ``critic_warmup_steps`` (a shared head still is). Returns the metrics
     averaged over the updates, ``ratio_max`` the maximum."""
     config = ctx.config
-    by_rollout: dict[int, list[int]] = {}
-    for i, s in enumerate(sub_traces):
-        by_rollout.setdefault(rollout_index[s.rollout_id], []).append(i)
-    rollouts = sorted(by_rollout)
-    train_policy = step >= config.critic_warmup_steps
+    rollouts = _by_rollout(batch)
     critic_epochs = config.critic_epochs if config.critic_epochs is not None else config.epochs
-    policy_totals: Counter = Counter()
-    critic_totals: Counter = Counter()
-    policy_updates, critic_updates, ratio_max = 0, 0, None
+    totals = {"policy": Counter(), "critic": Counter()}
+    counts, ratio_max = Counter(), None
     for epoch in range(max(config.epochs, critic_epochs if models.critic is not None else 0)):
-        for group in mini_batches(len(rollouts), config.mini_batches, config.seed, step, epoch):
-            indices = sorted(i for r in group for i in by_rollout[rollouts[r]])
-            if not any(sub_traces[i].num_action_tokens for i in indices):
+        for group in mini_batches(len(rollouts), config.mini_batches, config.seed, ctx.step,
+                                  epoch):
+            indices = sorted(i for r in group for i in rollouts[r])
+            if not any(batch.sub_traces[i].num_action_tokens for i in indices):
                 continue
-            run_policy = epoch < config.epochs
             run_critic = models.critic is not None and epoch < critic_epochs
-            with overlap.beside(run_policy and run_critic) as beside:
-                critic_job = beside(critic_update, models.critic, critic_optimizer, ctx,
-                                    sub_traces, indices, rollout_index, values,
-                                    returns) if run_critic else None
-                policy_metrics = None
-                if run_policy and models.value_head is not None:  # one backward for both
-                    policy_metrics = policy_update(models, policy_optimizer, ctx, sub_traces,
-                                                   indices, rollout_index, old, ref, advantages,
-                                                   values, returns, train_policy)
-                elif run_policy and train_policy:
-                    policy_metrics = policy_update(models, policy_optimizer, ctx, sub_traces,
-                                                   indices, rollout_index, old, ref, advantages)
-                critic_metrics = critic_job() if critic_job is not None else None
-            policy_updates += run_policy
-            if policy_metrics is not None:
-                ratio = policy_metrics.pop("ratio_max")
-                ratio_max = ratio if ratio_max is None else max(ratio_max, ratio)
-                policy_totals.update(policy_metrics)
-            if critic_metrics is not None:
-                critic_totals.update(critic_metrics)
-                critic_updates += 1
-    out = {key: value / max(policy_updates, 1) for key, value in policy_totals.items()}
-    out.update({key: value / max(critic_updates, 1) for key, value in critic_totals.items()})
+            out = _update_mini_batch(models, optimizers, ctx, batch, indices,
+                                     (epoch < config.epochs, run_critic))
+            counts["policy"] += epoch < config.epochs
+            for kind, metrics in out.items():
+                if metrics is None:
+                    continue
+                if "ratio_max" in metrics:
+                    ratio = metrics.pop("ratio_max")
+                    ratio_max = ratio if ratio_max is None else max(ratio_max, ratio)
+                totals[kind].update(metrics)
+                counts[kind + " updates"] += 1
+    result = {key: value / max(counts["policy"], 1) for key, value in totals["policy"].items()}
+    result.update({key: value / max(counts["critic updates"], 1)
+                   for key, value in totals["critic"].items()})
     if ratio_max is not None:
-        out["ratio_max"] = ratio_max
-    return out
+        result["ratio_max"] = ratio_max
+    return result
 
 
-def on_device(sub_traces, group, rollout_index, device: torch.device):
-    """A micro-batch on the models' device, and ``pick``: per-sub-trace tensors of the
-    global batch (on the CPU) -> ``[T]`` on that device."""
-    batch = pack_sub_traces(sub_traces, group, rollout_index).to(device)
-    return batch, lambda per_sequence: batch.gather(per_sequence).to(device)
+def _update_mini_batch(models: Models, optimizers: Optimizers, ctx: StepContext,
+                       batch: StepBatch, indices: list[int], runs: tuple[bool, bool]) -> dict:
+    """One mini-batch: the critic's optimizer step beside the policy's (``runs``: whether
+    each runs this epoch). ``{"policy": metrics or None, "critic": metrics or None}``."""
+    run_policy, run_critic = runs
+    train_policy = ctx.step >= ctx.config.critic_warmup_steps
+    batch.weights = batch_weights(ctx.config, batch, indices)
+    with ctx.overlap.beside(run_policy and run_critic) as beside:
+        critic_job = beside(critic_update, models.critic, optimizers.critic, ctx, batch,
+                            indices) if run_critic else None
+        policy = None
+        if run_policy and (models.value_head is not None or train_policy):
+            policy = policy_update(models, optimizers.policy, ctx, batch, indices)
+        critic = critic_job() if critic_job is not None else None
+    return {"policy": policy, "critic": critic}
 
 
 def _total_norm(norm) -> float:
@@ -108,121 +146,99 @@ def _total_norm(norm) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
-def batch_weights(config, sub_traces, indices, rollout_index) -> dict[int, torch.Tensor]:
-    """``loss_weights`` of the mini-batch, split per sub-trace."""
-    whole = pack_sub_traces(sub_traces, indices, rollout_index)
+def batch_weights(config, batch: StepBatch, indices: list[int]) -> torch.Tensor:
+    """``[T]``: the ``loss_weights`` of the mini-batch ``indices`` at its tokens, 0 elsewhere."""
+    whole = batch.micro(indices).packed
     weights = loss_weights(config.loss_aggregation, whole.action_mask, whole.cu_seqlens,
                            whole.rollout_index, config.loss_norm_constant)
-    return dict(zip(indices, whole.split(weights)))
+    out = torch.zeros(batch.packed.num_tokens, dtype=weights.dtype)
+    out[batch.token_index(indices)] = weights
+    return out
 
 
-def policy_update(models: Models, optimizer, ctx: UpdateContext, sub_traces, indices,
-                  rollout_index, old, ref, advantages, values=None, returns=None,
-                  train_policy=True) -> Counter:
+def _clip_and_step(optimizer, parameters, max_norm: float) -> float:
+    norm = _total_norm(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+    optimizer.step()
+    return norm
+
+
+def policy_update(models: Models, optimizer, ctx: StepContext, batch: StepBatch,
+                  indices: list[int]) -> dict[str, float]:
     """One optimizer step of the policy (and, when shared, of the value head: the loss is
     ``pg + value_coef * value loss``, the pg term dropped during critic warmup)."""
-    config = ctx.config
     models.policy.train()
-    weights = batch_weights(config, sub_traces, indices, rollout_index)
     optimizer.zero_grad(set_to_none=True)
-    totals: Counter = Counter()
-    plan = ctx.plan(sub_traces, indices)
+    sums = Sums()
+    plan = ctx.plan(batch, indices)
     for position, group in enumerate(plan):
         with gradient_sync(models.policy, ctx.world, last=position == len(plan) - 1):
             if group is None:  # an empty micro-batch: collectives only, zero gradient
                 policy_logprobs(models.policy, *empty_batch(ctx.device),
                                 temperature=ctx.temperature).sum().mul(0.0).backward()
                 continue
-            policy_micro_batch(models, ctx, sub_traces, group, rollout_index, old, ref,
-                               advantages, weights, values, returns, train_policy, totals)
-    if ctx.world is not None:
-        totals = ctx.world.summed(totals, maxima=("_ratio_max",))
+            policy_micro_batch(models, ctx, batch.micro(group).to(ctx.device), sums)
+    sums = sums.reduced(ctx.world)
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    norm = _total_norm(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
-    optimizer.step()
-    tokens = max(totals.pop("_action_tokens"), 1)
-    out = Counter({"policy_loss": totals["policy_loss"], "policy_grad_norm": norm,
-                   "ratio_max": totals["_ratio_max"]})
-    for key in ("clipfrac", "approx_kl", "entropy"):
-        if f"_{key}" in totals:
-            out[key] = totals[f"_{key}"] / tokens
-    if models.value_head is not None:
-        out["value_loss"] = totals["value_loss"]
-        out["value_clipfrac"] = totals["_value_clipfrac"] / tokens
-    return out
+    norm = _clip_and_step(optimizer, parameters, ctx.config.max_grad_norm)
+    out = sums.averages()
+    return {"policy_loss": out.pop("policy_loss", 0.0), "policy_grad_norm": norm,
+            "ratio_max": out.pop("ratio_max", 0.0), **out}
 
 
-def policy_micro_batch(models: Models, ctx: UpdateContext, sub_traces, group, rollout_index, old,
-                       ref, advantages, weights, values, returns, train_policy,
-                       totals: Counter) -> None:
-    config = ctx.config
-    batch, pick = on_device(sub_traces, group, rollout_index, ctx.device)
-    shared = models.value_head is not None
+def policy_micro_batch(models: Models, ctx: StepContext, micro: MicroBatch, sums: Sums) -> None:
+    """The forward and backward of one micro-batch of the policy; its metrics into ``sums``."""
+    config, shared = ctx.config, models.value_head is not None
     logp, entropy, *hidden = policy_logprobs(
-        models.policy, batch.input_ids, batch.position_ids, batch.cu_seqlens,
-        batch.max_seqlen, temperature=ctx.temperature, return_entropy=True,
-        return_hidden=shared, token_mask=batch.action_mask)
-    use_ref = models.reference is not None and config.kl_mode == "loss"
-    loss, metrics = ppo_loss(
-        logp, pick(old), pick(advantages), batch.action_mask,
-        token_weights=pick(weights), clip_low=config.clip_low, clip_high=config.clip_high,
-        dual_clip=config.dual_clip, ref_logprobs=pick(ref) if use_ref else None,
-        kl_coef=ctx.kl_coef if use_ref else 0.0, kl_estimator=config.kl_estimator,
-        entropy=entropy, entropy_coef=config.entropy_coef,
-        rollout_logprobs=batch.rollout_logprobs if config.tis_cap else None,
-        tis_cap=config.tis_cap)
-    total = loss if train_policy else loss * 0.0
+        models.policy, *micro.model_inputs(), temperature=ctx.temperature,
+        return_entropy=True, return_hidden=shared, token_mask=micro.action_mask)
+    loss, metrics = POLICY_LOSSES.get(config.policy_loss)(logp, entropy, micro, ctx)
+    total = loss if ctx.step >= config.critic_warmup_steps else loss * 0.0
     if ctx.world is not None:  # the reduction averages over ranks; the loss is a sum
         total = total * ctx.world.size
+    share = micro.action_mask.sum().item()
     if shared:
-        v, _ = models.value_head(hidden[0], batch.cu_seqlens)
-        vloss, vmetrics = value_loss(v, pick(values), pick(returns), batch.action_mask,
-                                     clip=config.value_clip, token_weights=pick(weights))
+        v, _ = models.value_head(hidden[0], micro.packed.cu_seqlens)
+        vloss, vmetrics = value_loss(v, micro.values, micro.returns, micro.action_mask,
+                                     clip=config.value_clip, token_weights=micro.weights)
         total = total + config.value_coef * vloss
-        totals["value_loss"] += vloss.item()
-        totals["_value_clipfrac"] += float(vmetrics["vf_clipfrac"]) * batch.action_mask.sum().item()
+        sums.plain["value_loss"] += vloss.item()
+        sums.per_token["value_clipfrac"] += float(vmetrics["vf_clipfrac"]) * share
     total.backward()
-    share = batch.action_mask.sum().item()
-    totals["policy_loss"] += loss.item()
-    per_token = {"clipfrac": metrics["pg_clipfrac_upper"] + metrics["pg_clipfrac_lower"],
-                 "approx_kl": metrics["approx_kl"], "entropy": metrics["entropy_mean"]}
-    for key, value in per_token.items():
-        totals[f"_{key}"] += float(value) * share
-    totals["_ratio_max"] = max(totals["_ratio_max"], float(metrics["ratio_max"]))
-    totals["_action_tokens"] += share
+    sums.plain["policy_loss"] += loss.item()
+    per_token = {}
+    if "pg_clipfrac_upper" in metrics:
+        per_token["clipfrac"] = metrics["pg_clipfrac_upper"] + metrics["pg_clipfrac_lower"]
+    per_token.update({key: metrics[name] for key, name in (("approx_kl", "approx_kl"),
+                                                           ("entropy", "entropy_mean"))
+                      if name in metrics})
+    sums.add_tokens(share, per_token)
+    if "ratio_max" in metrics:
+        sums.add_max("ratio_max", metrics["ratio_max"])
 
 
-def critic_update(critic, optimizer, ctx: UpdateContext, sub_traces, indices, rollout_index,
-                  values, returns) -> Counter:
-    config = ctx.config
+def critic_update(critic, optimizer, ctx: StepContext, batch: StepBatch,
+                  indices: list[int]) -> dict[str, float]:
+    """One optimizer step of the separate critic on the mini-batch ``indices``."""
     critic.train()
-    weights = batch_weights(config, sub_traces, indices, rollout_index)
     optimizer.zero_grad(set_to_none=True)
-    totals = Counter(loss=0.0, clipped=0.0, tokens=0.0)
-    plan = ctx.plan(sub_traces, indices)
+    sums = Sums()
+    plan = ctx.plan(batch, indices)
     for position, group in enumerate(plan):
         with gradient_sync(critic, ctx.world, last=position == len(plan) - 1):
             if group is None:  # an empty micro-batch: collectives only, zero gradient
                 critic_values(critic, *empty_batch(ctx.device))[0].sum().mul(0.0).backward()
                 continue
-            batch, pick = on_device(sub_traces, group, rollout_index, ctx.device)
-            v, _ = critic_values(critic, batch.input_ids, batch.position_ids,
-                                 batch.cu_seqlens, batch.max_seqlen)
-            loss, metrics = value_loss(v, pick(values), pick(returns), batch.action_mask,
-                                       clip=config.value_clip, token_weights=pick(weights))
+            micro = batch.micro(group).to(ctx.device)
+            v, _ = critic_values(critic, *micro.model_inputs())
+            loss, metrics = value_loss(v, micro.values, micro.returns, micro.action_mask,
+                                       clip=ctx.config.value_clip, token_weights=micro.weights)
             (loss * (ctx.world.size if ctx.world is not None else 1)).backward()
-            share = int(batch.action_mask.sum())
-            totals["loss"] += loss.item()
-            totals["clipped"] += float(metrics["vf_clipfrac"]) * share
-            totals["tokens"] += share
-    if ctx.world is not None:
-        totals = ctx.world.summed(totals)
-    norm = _total_norm(torch.nn.utils.clip_grad_norm_(critic.parameters(),
-                                                      config.max_grad_norm))
-    optimizer.step()
-    return Counter({"value_loss": totals["loss"],
-                    "value_clipfrac": totals["clipped"] / max(totals["tokens"], 1),
-                    "critic_grad_norm": norm})
+            sums.plain["value_loss"] += loss.item()
+            sums.add_tokens(int(micro.action_mask.sum()),
+                            {"value_clipfrac": metrics["vf_clipfrac"]})
+    sums = sums.reduced(ctx.world)
+    norm = _clip_and_step(optimizer, critic.parameters(), ctx.config.max_grad_norm)
+    return {**sums.averages(), "critic_grad_norm": norm}
 
 
 def adapted_kl_coef(kl_coef: float, kl: float | None, episodes: int, config) -> float:

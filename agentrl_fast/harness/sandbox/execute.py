@@ -24,12 +24,12 @@ What the child gets in both:
 - its own session and process group (``start_new_session=True``); on a timeout, when the
   awaiting task is cancelled (a tool timeout in :class:`~.tools.ToolRegistry`), and after the
   program exits, the whole group is sent ``SIGKILL``;
-- resource limits set in the child by a small launcher (:data:`LAUNCHER`, run by
+- resource limits set in the child by a small launcher (:data:`.launcher.LAUNCHER`, run by
   ``python -I -S``, which imports neither ``agentrl_fast`` nor torch) before it ``exec``\\ s the
   program, so no ``preexec_fn`` runs in the trainer (it is not thread-safe): ``RLIMIT_AS``
   (address space, ``memory_mb``, per process), ``RLIMIT_CPU`` (``cpu_seconds``; the hard limit
   is one second above the soft one, so the program first gets ``SIGXCPU``), ``RLIMIT_FSIZE``
-  (:data:`FILE_SIZE_LIMIT_MB`) and ``RLIMIT_CORE`` 0;
+  (:data:`.launcher.FILE_SIZE_LIMIT_MB`) and ``RLIMIT_CORE`` 0;
 - a minimal environment (:func:`default_env`: ``PATH``, ``LANG=C.UTF-8``, ``PYTHONHASHSEED=0``,
   one BLAS thread) unless ``env`` is given: nothing else of the trainer's environment (API keys,
   tokens) reaches it;
@@ -63,11 +63,10 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from agentrl_fast.harness import cgroups as _cgroups
-from agentrl_fast.harness import syscall_filter as _syscall_filter
-from agentrl_fast.harness.bwrap import base_python, bwrap_command, bwrap_path, sandbox_uid
-from agentrl_fast.harness.launcher import (FILE_SIZE_LIMIT_MB, LAUNCHER,  # noqa: F401 - API
-                                           inner_command)
+from agentrl_fast.harness.sandbox import cgroups as _cgroups
+from agentrl_fast.harness.sandbox import syscall_filter as _syscall_filter
+from agentrl_fast.harness.sandbox.bwrap import base_python, bwrap_command, bwrap_path, sandbox_uid
+from agentrl_fast.harness.sandbox.launcher import inner_command
 from agentrl_fast.harness.tools import Tool, tool
 
 ISOLATIONS = ("auto", "bwrap", "none")

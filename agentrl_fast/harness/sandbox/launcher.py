@@ -6,8 +6,8 @@ in the (multi-threaded) trainer."""
 
 from collections.abc import Sequence
 
-from agentrl_fast.harness import syscall_filter as _syscall_filter
-from agentrl_fast.harness.bwrap import INNER_UID, base_python
+from agentrl_fast.harness.sandbox import syscall_filter as _syscall_filter
+from agentrl_fast.harness.sandbox.bwrap import INNER_UID, base_python
 
 FILE_SIZE_LIMIT_MB = 64
 """Largest file (MB) a sandboxed program may write (``RLIMIT_FSIZE``)."""
