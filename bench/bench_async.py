@@ -634,7 +634,7 @@ def main() -> None:
     common.print_table(rows)
     path = common.write_rows(rows, "async", args.out_dir)
     md = path.with_suffix(".md")
-    md.write_text(markdown(rows, results, learning, notes, args, config))
+    common.write_record(md, markdown(rows, results, learning, notes, args, config))
     print(f"\n{md.read_text()}\nrows appended to {path}; table written to {md}; "
           f"total {time.perf_counter() - start:.0f} s")
 

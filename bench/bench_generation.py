@@ -510,7 +510,7 @@ def main() -> None:
     path = common.write_rows(rows, "generation", args.out_dir)
     text = markdown(rows, results, notes, args)
     md = path.with_suffix(".md")
-    md.write_text(text)
+    common.write_record(md, text)
     print(f"\n{text}\nrows appended to {path}; table written to {md}; "
           f"total {time.perf_counter() - start:.0f} s")
 

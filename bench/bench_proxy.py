@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import torch
 
+import common  # bench/ is the script's folder: first on sys.path
+
 from agentrl_fast.harness import ChatFormat
 from agentrl_fast.config import SamplingParams
 from agentrl_fast.generators import ScriptedGenerator, TorchGenerator
@@ -176,11 +178,11 @@ def main() -> None:
     text = table(rows)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"# OpenAI proxy overhead\n\n`python bench/bench_proxy.py --out {args.out}` "
-                    f"(turns {args.turns}, max_tokens {args.max_tokens}, batch window "
-                    f"{args.batch_window * 1000:g} ms, torch threads {torch.get_num_threads()})"
-                    f"\n\n{text}\n")
+        common.write_record(
+            args.out, f"# OpenAI proxy overhead\n\nCommand: `python bench/bench_proxy.py --out "
+            f"{args.out}` (turns {args.turns}, max_tokens {args.max_tokens}, batch window "
+            f"{args.batch_window * 1000:g} ms, torch threads {torch.get_num_threads()})"
+            f"\n\n{text}\n")
 
 
 if __name__ == "__main__":

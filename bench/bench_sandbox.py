@@ -164,8 +164,9 @@ def main() -> None:
                 "gone: a bare bwrap `/bin/true` took 11.7 ms in a group against 12.2 ms without, "
                 "and 23-24 ms against 11.2-11.4 with it 0. The python rows are what a "
                 "`python_tool` call costs.", ""]
-        Path(args.markdown).write_text("# Cost per call of the bubblewrap sandbox\n\n"
-                                       + "\n".join(head + lines) + "\n")
+        from common import write_record  # torch, only when the record is written
+        write_record(args.markdown, "# Cost per call of the bubblewrap sandbox\n\n"
+                     + "\n".join(head + lines) + "\n")
 
 
 def bwrap_version() -> str:

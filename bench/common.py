@@ -14,8 +14,10 @@ faster).
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -139,3 +141,38 @@ def print_table(rows: list[Row]) -> None:
         ratio = f"{r.ratio:.1f}x" if r.ratio else "-"
         print(f"{r.op:<10} {r.provider:<44} {r.shape:<34} {r.dtype:<9} {r.time_ms:>10.3f} "
               f"{tok:>10} {gbps:>8} {ratio:>10}")
+
+
+def write_record(path: str | os.PathLike, text: str, command: str | None = None) -> Path:
+    """Write a results record (markdown starting with its ``# `` title) with the header
+    ``bench/results_index.py`` reads: the ``Summary:`` paragraph of the file it replaces is kept
+    (a person writes it once the numbers are read; without one the index check says so), and
+    ``Command:`` (default: this process's command line) and ``Date ..., commit ...`` lines are
+    added when ``text`` has none."""
+    path = Path(path)
+    lines = text.rstrip("\n").splitlines()
+    head = [lines.pop(0)] if lines and lines[0].startswith("# ") else []
+    added = []
+    if not any(line.startswith("Summary:") for line in lines):
+        added += ["", *_summary(path)] if _summary(path) else []
+    if not any(line.startswith("Command") for line in lines):
+        command = command or " ".join(["python", *sys.argv])
+        added += ["", f"Command: `{command}`"]
+    if not re.search(r"\b20\d\d-\d\d-\d\d\b", text) or not re.search(r"\bcommit\b", text, re.I):
+        added += ["", f"Date {datetime.date.today().isoformat()}, commit {git_commit()}."]
+    path.write_text("\n".join(head + added + lines) + "\n")
+    return path
+
+
+def _summary(path: Path) -> list[str]:
+    """The ``Summary:`` paragraph of the record at ``path`` (empty when none)."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    for start, line in enumerate(lines):
+        if line.startswith("Summary:"):
+            end = start
+            while end < len(lines) and lines[end].strip():
+                end += 1
+            return lines[start:end]
+    return []

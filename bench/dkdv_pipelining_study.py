@@ -130,7 +130,8 @@ def main() -> None:
                 f"head dim; no GPU, no timings."
                 + (f" Left of `->`: the kernels of commit {args.before}." if before else ""),
                 ""]
-        Path(args.out).write_text("\n".join(head + lines) + "\n")
+        from common import write_record  # torch: only where the record is written
+        write_record(args.out, "\n".join(head + lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ def main() -> None:
     home = str(Path.home())
     command = " ".join(["python bench/triton_compile_report.py", sys.argv[1],
                         *(p.replace(home, "~") for p in sys.argv[2:])])
-    output.write_text(report(runs, commit, command))
+    from common import write_record  # torch: only where the record is written
+    write_record(output, report(runs, commit, command), command)
     print(f"wrote {output} ({sum(len(rows) for _, rows in runs)} compiles)")
 
 

@@ -58,11 +58,12 @@ def test_no_trained_token_is_older_than_max_staleness(chat, max_staleness):
     seen = []
     learn = trainer._learn
 
-    def checked(trajectories, sub_traces):
-        lags = [trainer.step_index - v for s in sub_traces for v in s.action_versions()]
+    def checked(trajectories):
+        lags = [trainer.step_index - v for t in trajectories for s in t.sub_traces
+                for v in s.action_versions()]
         seen.append(max(lags))
         assert min(lags) >= 0 and max(lags) <= max_staleness
-        return learn(trajectories, sub_traces)
+        return learn(trajectories)
     trainer._learn = checked
     try:
         history = trainer.train()

@@ -3,6 +3,7 @@ scratch directory), every relative link points to a file that exists, and the RE
 front page (under 150 lines, linking every docs page, with the test command CI extracts)."""
 
 import re
+import textwrap
 import sys
 import subprocess
 from pathlib import Path
@@ -35,7 +36,8 @@ def python_blocks(path: str, section: str) -> list[str]:
     text = (ROOT / path).read_text()
     assert section in text, f"{path} has no section starting {section!r}"
     body = text.split(section, 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    # A block inside a list item is indented as a whole.
+    return [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", body, flags=re.S)]
 
 
 @pytest.mark.parametrize("path, section", RUNNABLE_SECTIONS)

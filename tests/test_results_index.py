@@ -77,3 +77,22 @@ def test_a_main_job_summary_that_disagrees_with_its_runs_fails(tmp_path, capsys)
     (results / "main_job.md").write_text(text.replace("(mean 0.956)", "(mean 0.825)", 1))
     assert index.main(["--check", "--results", str(results)]) == 1
     assert "does not state PPO's mean 0.956" in capsys.readouterr().err
+
+
+def test_a_benchmark_rewriting_its_record_keeps_the_header(tmp_path):
+    """bench/common.write_record, which the benchmarks write their .md records with: the
+    replaced file's Summary paragraph is kept, a Command and a date/commit line are added, so
+    a rerun leaves a header the index accepts."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import common
+
+    record = tmp_path / "proxy.md"
+    shutil.copy(RESULTS / "proxy.md", record)
+    before = index.parse_header(record.read_text())
+    common.write_record(record, "# OpenAI proxy overhead\n\n| a | b |\n| --- | --- |\n| 1 | 2 |\n",
+                        command="python bench/bench_proxy.py --out x.md")
+    after = index.parse_header(record.read_text())
+    assert after.summary == before.summary and after.title == before.title
+    assert after.command == "`python bench/bench_proxy.py --out x.md`" and after.date
+    assert index.header_problems("proxy.md", after) == []
+    assert "| 1 | 2 |" in record.read_text()

@@ -97,7 +97,7 @@ def test_a_server_does_not_outlive_a_killed_trainer(tmp_path, model_dir):
     """SIGKILL to the process that started a server: the server gets SIGTERM (no orphan)."""
     pid_file = tmp_path / "server.pid"
     python = fake_python(tmp_path, f'echo $$ > {pid_file}; exec sleep 120')
-    code = (f"from agentrl_fast.harness import VLLMServer\n"
+    code = (f"from agentrl_fast.generators import VLLMServer\n"
             f"VLLMServer({str(model_dir)!r}, python={str(python)!r}, startup_timeout=120).start()")
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
