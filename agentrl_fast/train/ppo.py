@@ -270,10 +270,8 @@ class Trainer:
             metrics.update(logprob_mismatch(batch))
         if self.producer is not None:
             metrics.update(self._async_metrics)
-            metrics.update(staleness_metrics(batch.sub_traces, self.step_index,
-                                             config.max_staleness))
-            metrics.update(importance_metrics(batch.sub_traces, batch.split(batch.old_logprobs),
-                                              config.tis_cap))
+            metrics.update(staleness_metrics(batch, self.step_index, config.max_staleness))
+            metrics.update(importance_metrics(batch, config.tis_cap))
         if self.reference is not None:
             kl, metrics["kl_ref"] = reference_kl(batch)
             if config.kl_mode == "reward":

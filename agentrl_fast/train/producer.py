@@ -44,6 +44,7 @@ from agentrl_fast.harness.trajectory import Trajectory
 from agentrl_fast.models.wrappers import unwrap
 from agentrl_fast.seeds import derive_seed
 from agentrl_fast.train.data import task_at
+from agentrl_fast.train.step_batch import StepBatch
 
 
 @dataclasses.dataclass
@@ -216,13 +217,13 @@ class RolloutProducer:
         self.engine.generator = self.inner
 
 
-def staleness_metrics(sub_traces: Sequence, learner_version: int,
+def staleness_metrics(batch: StepBatch, learner_version: int,
                       max_staleness: int) -> dict[str, float]:
     """Trained action tokens per version lag (``staleness_lag_<k>``, k = 0..max_staleness)
     and the largest lag."""
     counts = [0] * (max_staleness + 1)
     worst = 0
-    for s in sub_traces:
+    for s in batch.sub_traces:
         for version in s.action_versions():
             lag = learner_version - version
             counts[min(lag, max_staleness)] += 1
@@ -232,13 +233,11 @@ def staleness_metrics(sub_traces: Sequence, learner_version: int,
     return out
 
 
-def importance_metrics(sub_traces: Sequence, proximal: Sequence[torch.Tensor],
-                       cap: float) -> dict[str, float]:
-    """The behaviour importance weights ``exp(proximal - behaviour)`` on action tokens: mean,
-    max and the fraction the cap cut (``is_weight_*``)."""
-    weights = [torch.exp(p - torch.tensor(s.logprobs))[torch.tensor(s.action_mask, dtype=torch.bool)]
-               for s, p in zip(sub_traces, proximal)]
-    w = torch.cat(weights) if weights else torch.zeros(0)
+def importance_metrics(batch: StepBatch, cap: float) -> dict[str, float]:
+    """The behaviour importance weights ``exp(proximal - behaviour)`` on action tokens (the
+    step's old log-probs over the rollout's): mean, max and the fraction the cap cut
+    (``is_weight_*``)."""
+    w = torch.exp(batch.old_logprobs - batch.packed.rollout_logprobs)[batch.action_mask]
     if w.numel() == 0:
         return {"is_weight_mean": 1.0, "is_weight_max": 1.0, "is_weight_capped": 0.0}
     return {"is_weight_mean": float(w.mean()), "is_weight_max": float(w.max()),
