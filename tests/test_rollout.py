@@ -431,3 +431,26 @@ def test_error_penalty_charges_the_agents_mistakes_on_their_turn_and_not_a_jam(c
         assert '"nowhere"' in chat.decode(first.ids[:position + 1]).split("assistant\n")[-1]
     with pytest.raises(ValueError, match=r"error_penalty must be in \[0, 1\], got -0.1"):
         VaultEnvironment(error_penalty=-0.1)
+
+
+def test_a_prompt_without_room_for_a_turn_is_an_error_naming_the_budget_it_needs(env, chat):
+    """A first prompt over the context budget would end every rollout before it generated
+    anything (a step trained on no tokens); the engine says how large the budget must be."""
+    settings = config(samples_per_task=1, context_budget=40)
+    engine = RolloutEngine(ScriptedGenerator(expert_action, chat), chat, env, settings)
+    task = env.tasks("train")[0]
+    with pytest.raises(ValueError, match=r"task .*: the first prompt .* is \d+ tokens; .* needs "
+                                         r"context_budget >= (\d+), but .* is 40"):
+        engine.run([task])
+    need = int(re.search(r">= (\d+)", str(_error(engine, task))).group(1))
+    fits = RolloutEngine(ScriptedGenerator(expert_action, chat), chat, env,
+                         config(samples_per_task=1, context_budget=need))
+    assert fits.run([task])[0].sub_traces[0].num_action_tokens > 0
+
+
+def _error(engine, task) -> Exception:
+    try:
+        engine.run([task])
+    except ValueError as error:
+        return error
+    raise AssertionError("no error")

@@ -336,11 +336,12 @@ class RolloutEngine:
     def prompt_ids(self, task: Task) -> list[int]:
         """The ids a rollout of ``task`` starts from: system prompt, tools header, task,
         generation prompt (to check budgets before a run)."""
-        return list(self._start(task, 0, seed=0).trajectory.current.ids)
+        return list(self._start(task, 0, seed=0, check=False).trajectory.current.ids)
 
     # -- one rollout ----------------------------------------------------------------------------
 
-    def _start(self, task: Task, sample_index: int, seed: int, attempt: int = 0) -> _Rollout:
+    def _start(self, task: Task, sample_index: int, seed: int, attempt: int = 0,
+               check: bool = True) -> _Rollout:
         rollout_id = f"{seed}/{task.id}/{sample_index}" + (f"/restart{attempt}" if attempt else "")
         if self.config.memory_scope == "rollout":
             memory = self.memory.namespace(rollout_id)
@@ -353,8 +354,23 @@ class RolloutEngine:
         trajectory = Trajectory(rollout_id, task_id=task.id, sample_index=sample_index)
         rollout = _Rollout(task, sample_index, trajectory, episode, registry, memory, episode_seed,
                            attempt=attempt)
-        trajectory.new_sub_trace().append_context(self._prompt_ids(rollout, summary=None))
+        first = self._prompt_ids(rollout, summary=None)
+        if check:
+            self._check_fits(task, len(first))
+        trajectory.new_sub_trace().append_context(first)
         return rollout
+
+    def _check_fits(self, task: Task, prompt_tokens: int) -> None:
+        """A first prompt with no room for a turn would end every rollout before it generates
+        (a step trained on no tokens): an error instead, with the budget it needs."""
+        need = prompt_tokens + self.sampling.max_new_tokens + self._turn_end_room
+        if need > self.config.context_budget:
+            raise ValueError(
+                f"task {task.id!r}: the first prompt (system prompt, tools header, task) is "
+                f"{prompt_tokens} tokens; with sampling.max_new_tokens "
+                f"({self.sampling.max_new_tokens}) and the turn's end a rollout needs "
+                f"context_budget >= {need}, but RolloutConfig.context_budget is "
+                f"{self.config.context_budget} (train.rollout.context_budget in a run config)")
 
     def _prompt_ids(self, rollout: _Rollout, summary: str | None) -> list[int]:
         prompt = rollout.episode.prompt + (f"\n\n{summary}" if summary else "")
