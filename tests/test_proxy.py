@@ -19,7 +19,7 @@ import openai
 import pytest
 import torch
 
-from agentrl_fast.harness import ChatFormat, MemoryStore
+from agentrl_fast.harness import ChatFormat, MemoryStore, rollout_metrics
 from agentrl_fast.config import RolloutConfig, SamplingParams
 from agentrl_fast.generators import TorchGenerator
 from agentrl_fast.envs import VaultEnvironment, build_tokenizer, expert_action
@@ -233,7 +233,7 @@ def expected_text(chat, messages, tools, generations) -> str:
 def test_trajectories_are_token_exact_with_the_trainers_logprobs(world, served, client):
     env, chat, policy = world
     server, recorder = served
-    tool_calls = 0
+    tool_calls, trajectories = 0, []
     for k, task in enumerate(env.tasks("eval")[:3]):
         trajectory, sent, tools = run_session(server, env, task, f"exact_{client}_{k}",
                                               reserialize=client == "reserializing",
@@ -244,8 +244,13 @@ def test_trajectories_are_token_exact_with_the_trainers_logprobs(world, served, 
         assert_logprobs_are_the_trainers(policy, sub_trace)
         assert chat.decode(sub_trace.ids) == expected_text(chat, sent[-1], tools, generations)
         assert sub_trace.end == "terminal" and trajectory.error is None
-        tool_calls += trajectory.metrics["tool_calls"]
+        tool_calls += trajectory.metrics["calls"]
+        trajectories.append(trajectory)
     assert tool_calls >= 2, "the warm-started policy made too few valid calls to test with"
+    # A proxy step's metrics count the calls (the client ran them: no error rate from them).
+    metrics = rollout_metrics(trajectories)
+    assert metrics["tool_calls"] * len(trajectories) == tool_calls
+    assert metrics["tool_error_rate"] == 0.0
 
 
 @pytest.mark.parametrize("stream", [False, True])

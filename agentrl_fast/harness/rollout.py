@@ -497,13 +497,14 @@ class RolloutEngine:
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Means over rollouts: reward, success, sub-traces, turns, tokens, and tool failures per
-    call; for logs and benchmarks."""
+    """Means over rollouts: reward, success, sub-traces, turns, tokens, tool calls, and tool
+    failures per call whose outcome the harness saw (not the proxy's: its client runs the
+    tools); for logs and benchmarks."""
     count = max(len(trajectories), 1)
     totals = Counter()
     for t in trajectories:
         totals.update(t.metrics)
-    calls = max(totals["calls"], 1)
+    judged = max(totals["calls"] - totals["calls_unjudged"], 1)  # the proxy's are unjudged
     out = {"reward": sum(t.reward for t in trajectories) / count,
            "success": totals["success"] / count,
            "sub_traces": sum(len(t.sub_traces) for t in trajectories) / count,
@@ -511,5 +512,6 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
            "tokens": sum(t.num_tokens for t in trajectories) / count,
            "generated_tokens": totals["generated_tokens"] / count,
            "tool_calls": totals["calls"] / count,
-           "tool_error_rate": (totals["calls"] - totals["ok"]) / calls}
+           "tool_error_rate": (totals["calls"] - totals["calls_unjudged"] - totals["ok"])
+           / judged}
     return out

@@ -289,6 +289,7 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
             return JSONResponse({"id": session_id, "reward": trajectory.reward,
                                  "sub_traces": len(trajectory.sub_traces),
                                  "turns": trajectory.metrics["turns"],
+                                 "tool_calls": trajectory.metrics["calls"],
                                  "error": trajectory.error})
         return await guarded(work)
 

@@ -461,7 +461,10 @@ class Session:
         metrics = self.trajectory.metrics
         metrics["turns"] += 1
         metrics["generated_tokens"] += len(reply.ids)
-        metrics["tool_calls"] += len(reply.tool_calls)
+        # Tool calls the model made (the engine's "calls"); the client runs them, so the proxy
+        # never sees their outcome: they count as calls, not in the error rate.
+        metrics["calls"] += len(reply.tool_calls)
+        metrics["calls_unjudged"] += len(reply.tool_calls)
         metrics["compactions"] += not plan.extend and len(self.trajectory.sub_traces) > 1
 
     def call_id(self, k: int) -> str:
