@@ -57,7 +57,7 @@ def _cmd_train(args) -> int:
             print(f"agentrl-fast train --resume: no complete checkpoint in {directory}",
                   file=sys.stderr)
             return 2
-    train_run(config, progress=not args.no_progress)
+    train_run(config, progress=not args.no_progress, resume=args.resume)
     return 0
 
 
@@ -134,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true",
                        help="continue from the run folder's last complete checkpoint (an error "
                             "when it has none; without the flag a run folder with checkpoints "
-                            "resumes too)")
+                            "is an error)")
     train.set_defaults(run=_cmd_train)
     show = commands.add_parser("config", help="print the configuration train would run, as YAML "
                                               "(no arguments: the main job, configs/default.yaml)")

@@ -232,7 +232,7 @@ def test_resume_loses_and_repeats_no_group(chat, tmp_path):
     first.close()  # groups buffered or in flight are lost with the process
     second = Trainer(policy_for(chat), chat, VaultEnvironment(),
                      config(steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=1,
-                            max_staleness=2))
+                            max_staleness=2), resume=True)
     assert second.step_index == 2
     assert second.data_position + len(second.consumed_ahead) == len(taken)
     later = consumed_positions(second)
@@ -259,7 +259,8 @@ from agentrl_fast.train import Trainer
 env = VaultEnvironment()
 chat = ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
 trainer = Trainer(policy_for(chat), chat, env, config(steps=50, checkpoint_dir=sys.argv[1],
-                                                      checkpoint_every=1, max_staleness=2))
+                                                      checkpoint_every=1, max_staleness=2),
+                  resume=True)
 positions = consumed_positions(trainer)
 with open(sys.argv[2], "a") as log:
     def logged(metrics):
@@ -289,7 +290,7 @@ def test_kill_9_and_resume_repeat_and_lose_no_group(chat, tmp_path):
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     resumed = Trainer(policy_for(chat), chat, VaultEnvironment(),
                       config(steps=50, checkpoint_dir=str(checkpoints), checkpoint_every=1,
-                             max_staleness=2))
+                             max_staleness=2), resume=True)
     # What the checkpoint counted; the log agrees for the steps it has (the kill may fall
     # between a step's checkpoint and its log line).
     counted = set(range(resumed.data_position)) | resumed.consumed_ahead
@@ -326,7 +327,7 @@ chat = ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
 trainer = Trainer(policy_for(chat), chat, env,
                   config(steps=3, checkpoint_dir=sys.argv[1], checkpoint_every=1,
                          max_staleness=1, distributed=DistributedConfig(strategy="ddp")),
-                  log=lambda *args: None, world=world)
+                  log=lambda *args: None, world=world, resume=True)
 positions = consumed_positions(trainer)
 rows = trainer.train()
 trainer.close()
@@ -361,7 +362,8 @@ def test_two_ranks_produce_disjoint_positions_train_one_batch_and_resume_on_one(
     counted = set(range(ranks[0]["data_position"])) | set(ranks[0]["consumed_ahead"])
     assert set(taken) == counted and ranks[0]["rows"][-1]["groups_consumed"] == len(counted)
     resumed = Trainer(policy_for(chat), chat, VaultEnvironment(),
-                      config(steps=4, checkpoint_dir=str(checkpoints), max_staleness=1))
+                      config(steps=4, checkpoint_dir=str(checkpoints), max_staleness=1),
+                      resume=True)
     assert resumed.step_index == 3
     later = consumed_positions(resumed)
     try:

@@ -50,8 +50,13 @@ def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
     evaluated = cli("eval", "--run-dir", str(run_dir), "--tasks", "4")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "| step-000000002 | 4 |" in evaluated.stdout
-    # Running again resumes from the checkpoints: no second warm-start, no step redone.
-    again = cli("train", "--steps", "3", "--run-dir", str(run_dir), "--no-progress", *TINY)
+    # Running again on the folder is an error naming both choices; --resume continues from the
+    # checkpoints: no second warm-start, no step redone.
+    refused = cli("train", "--steps", "3", "--run-dir", str(run_dir), "--no-progress", *TINY)
+    assert refused.returncode != 0
+    assert "holds checkpoints of an earlier run: continue it with --resume" in refused.stderr
+    again = cli("train", "--steps", "3", "--run-dir", str(run_dir), "--no-progress", "--resume",
+                *TINY)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "warm-start: " not in again.stdout.split("eval success")[0]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

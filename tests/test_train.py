@@ -346,7 +346,8 @@ TRAIN_SCRIPT = textwrap.dedent("""
     chat = chat_format()
     steps, checkpoint_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(),
-                      train_config(steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=1))
+                      train_config(steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=1),
+                      resume=True)
     with open(out, "a") as log:  # a line per step as it ends (train() returns only at the end)
         trainer.train(callback=lambda metrics: (log.write(json.dumps(metrics) + "\\n"),
                                                 log.flush()))
@@ -429,7 +430,7 @@ def test_damaged_latest_checkpoint_is_skipped_with_a_message(tmp_path, chat):
     damaged.write_bytes(damaged.read_bytes()[:100])
     messages = []
     resumed = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config,
-                      log=messages.append)
+                      log=messages.append, resume=True)
     assert resumed.step_index == 1
     assert any(str(newest) in m and "policy.pt" in m for m in messages), messages
     assert any("resumed from" in m and "step-000000001" in m for m in messages), messages
@@ -583,3 +584,19 @@ def test_critic_lam_decouples_the_critic_targets(chat, critic_lam, monkeypatch):
 def test_critic_lam_range():
     with pytest.raises(ValueError, match=r"critic_lam must be in \[0, 1\]"):
         train_config(critic_lam=1.5)
+
+
+def test_a_checkpoint_dir_with_checkpoints_resumes_only_when_asked(tmp_path, chat):
+    """Running a script again on the same folder used to resume at its last step and train
+    nothing, silently; now it is an error naming both choices, and resume=True continues."""
+    config = train_config(steps=1, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config).train()
+    with pytest.raises(ValueError, match=r"holds a checkpoint \(step 1.*resume=True.*empty "
+                                         r"checkpoint_dir"):
+        Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config)
+    resumed = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config, resume=True)
+    assert resumed.step_index == 1
+    fresh = Trainer(policy_for(chat), chat, ParityVaultEnvironment(),
+                    train_config(steps=1, checkpoint_dir=str(tmp_path / "new"),
+                                 checkpoint_every=1), resume=True)  # nothing there: a fresh start
+    assert fresh.step_index == 0

@@ -43,7 +43,7 @@ from agentrl_fast.train.overlap import CriticOverlap
 from agentrl_fast.train.producer import (consume, gather_groups, importance_metrics, rank_share,
                                          staleness_metrics, start_producer)
 from agentrl_fast.train.scoring import logprob_mismatch, policy_scores, score
-from agentrl_fast.train.state import (export_models, load_trainer_state, resume,
+from agentrl_fast.train.state import (export_models, load_trainer_state, resume_checkpoint,
                                       save_trainer_checkpoint, trainer_state)
 from agentrl_fast.train.step_batch import StepBatch
 from agentrl_fast.train.update import Optimizers, adapted_kl_coef, update_epochs
@@ -67,13 +67,17 @@ class Trainer:
     init_world`); the models are then made data-parallel (``config.distributed``) and each step
     is shared by the ranks as :mod:`agentrl_fast.train.distributed` describes. The models given
     must be the same on every rank (rank 0's are broadcast to be sure).
+
+    ``resume``: continue from the newest good checkpoint in ``config.checkpoint_dir`` (none
+    there: start fresh). Without it a ``checkpoint_dir`` that holds a checkpoint is an error:
+    a script run again would otherwise resume at its last step and train nothing.
     """
 
     def __init__(self, policy: torch.nn.Module, chat_format: ChatFormat,
                  environment: Environment, config: TrainConfig,
                  critic: torch.nn.Module | None = None, reference: torch.nn.Module | None = None,
                  memory: MemoryStore | None = None, log=print, world: World | None = None,
-                 generator: Generator | None = None):
+                 generator: Generator | None = None, resume: bool = False):
         if config.checkpoint_every and not config.checkpoint_dir:
             # Checked here, not in TrainConfig: a run config leaves the folder to the run.
             raise ValueError("checkpoint_every needs checkpoint_dir")
@@ -114,7 +118,7 @@ class Trainer:
         self.consumed_ahead: set[int] = set()  # asynchronous: consumed groups past data_position
         self.producer = None  # asynchronous: started after any resume, on the resumed weights
         if config.checkpoint_dir:
-            resume(self)
+            resume_checkpoint(self, asked=resume)
         if config.max_staleness:
             self.producer = start_producer(self, custom_generator=custom_generator)
             self._last_take = (time.perf_counter(), 0)  # (time, producer tokens) at a take

@@ -263,9 +263,14 @@ def plot_curves(run_dir: Path) -> Path:
 
 
 def train_run(config: RunConfig, *, progress: bool = True,
-              print_fn: Callable[[str], None] = print) -> dict:
-    """The whole run (see the module doc); returns the summary. Resumes when the run folder
-    holds checkpoints (the warm-start is then not redone)."""
+              print_fn: Callable[[str], None] = print, resume: bool = False) -> dict:
+    """The whole run (see the module doc); returns the summary. ``resume``: continue from the
+    run folder's checkpoints (the warm-start is then not redone); a run folder that holds
+    checkpoints is an error without it."""
+    if not resume and any((Path(config.run_dir) / "checkpoints").glob("step-*")):
+        raise ConfigError(f"run_dir {config.run_dir} holds checkpoints of an earlier run: "
+                          "continue it with --resume (train_run(..., resume=True)), or give a "
+                          "new --run-dir to start over")
     world = init_world(config.train.distributed)
     summary = _train_run(config, progress, print_fn, world)
     shutdown()  # after a failure the process just exits: torchrun stops the other ranks
@@ -336,7 +341,7 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
     before = json.loads(warm_file.read_text())
     rl_start = time.perf_counter()
     trainer = Trainer(policy, chat, environment, train, log=print_fn, world=world,
-                      generator=generator)
+                      generator=generator, resume=resuming)
     if resuming and main:
         _forget_steps_after(run_dir / "metrics.jsonl", trainer.step_index)
     bar = None

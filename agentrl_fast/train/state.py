@@ -170,13 +170,19 @@ def save_trainer_checkpoint(trainer) -> Path:
                            keep=trainer.config.keep_checkpoints)
 
 
-def resume(trainer) -> None:
+def resume_checkpoint(trainer, asked: bool) -> None:
+    """Load the newest good checkpoint of ``trainer.config.checkpoint_dir`` when ``asked``;
+    one there when not asked is an error naming both choices."""
     quiet = trainer.world is not None and not trainer.world.is_main
-    found = latest_checkpoint(trainer.config.checkpoint_dir,
-                              log=(lambda message: None) if quiet else trainer.log)
+    directory = trainer.config.checkpoint_dir
+    found = latest_checkpoint(directory, log=(lambda message: None) if quiet else trainer.log)
     if found is None:
         return
     path, step, state = found
+    if not asked:
+        raise ValueError(f"checkpoint_dir {directory} holds a checkpoint (step {step}, {path}): "
+                         "pass resume=True (agentrl-fast train --resume) to continue from it, "
+                         "or give an empty checkpoint_dir to start over")
     load_trainer_state(trainer, state)
     trainer.log(f"resumed from {path} (step {step})")
 
