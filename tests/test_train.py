@@ -600,3 +600,19 @@ def test_a_checkpoint_dir_with_checkpoints_resumes_only_when_asked(tmp_path, cha
                     train_config(steps=1, checkpoint_dir=str(tmp_path / "new"),
                                  checkpoint_every=1), resume=True)  # nothing there: a fresh start
     assert fresh.step_index == 0
+
+
+def test_a_metrics_logger_writes_jsonl_and_tensorboard_from_the_api(tmp_path, chat):
+    import json
+
+    from agentrl_fast.train import MetricsLogger
+
+    trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), train_config(steps=2))
+    with MetricsLogger(tmp_path / "run") as logger:
+        history = trainer.train(callback=logger)
+        logger.write("eval", trainer.step_index, {"success": 0.5, "note": "not a number"})
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("train", 1), ("train", 2), ("eval", 2)]
+    assert rows[0]["policy_loss"] == history[0]["policy_loss"] and "note" not in rows[2]
+    assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))

@@ -31,6 +31,7 @@ from agentrl_fast.envs import VaultEnvironment, build_tokenizer, expert_action
 from agentrl_fast.models.fused import use_fused_layers
 from agentrl_fast.models.tiny import tiny_qwen3
 from agentrl_fast.train.distributed import World, init_world, shutdown
+from agentrl_fast.train.metrics_log import MetricsLogger
 from agentrl_fast.train.ppo import Trainer
 from agentrl_fast.train.serving import run_generator
 from agentrl_fast.train.sft import demonstrations, sft
@@ -197,34 +198,6 @@ def load_warm_start(policy, path: str) -> None:
                           f"({str(error).splitlines()[0]})") from None
 
 
-class _Outputs:
-    """metrics.jsonl + TensorBoard (when installed) of a run folder."""
-
-    def __init__(self, run_dir: Path):
-        self.file = open(run_dir / "metrics.jsonl", "a")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(run_dir / "tb"))
-        except ImportError:  # tensorboard is a dependency; tolerate its absence in odd installs
-            self.writer = None
-
-    def write(self, kind: str, step: int, metrics: dict) -> None:
-        row = {"kind": kind, "step": step, **{k: v for k, v in metrics.items()
-                                               if isinstance(v, (int, float))}}
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        if self.writer is not None:
-            for key, value in row.items():
-                if key not in ("kind", "step"):
-                    self.writer.add_scalar(f"{kind}/{key}", value, step)
-            self.writer.flush()
-
-    def close(self):
-        self.file.close()
-        if self.writer is not None:
-            self.writer.close()
-
-
 def _forget_steps_after(path: Path, step: int) -> None:
     """Drop the metrics rows of steps after ``step`` (the checkpoint a run resumed from): a
     killed run may have logged steps it had not checkpointed, and they are run again."""
@@ -310,7 +283,7 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
         run_dir.mkdir(parents=True, exist_ok=True)
         import yaml
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-        outputs = _Outputs(run_dir)
+        outputs = MetricsLogger(run_dir)
     warm_file = run_dir / "warmstart.json"
     train = dataclasses.replace(config.train, seed=config.seed,
                                 checkpoint_dir=str(run_dir / "checkpoints"),
