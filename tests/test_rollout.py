@@ -454,3 +454,51 @@ def _error(engine, task) -> Exception:
     except ValueError as error:
         return error
     raise AssertionError("no error")
+
+
+class _Bare:
+    """An environment written from the protocol, with members left out by the test."""
+
+    name = "bare"
+
+    def tasks(self, split):
+        from agentrl_fast.harness import Task
+        return [Task("t0", "Say done.")]
+
+    def start(self, task, memory, seed):
+        return _BareEpisode()
+
+
+class _BareEpisode:
+    system_prompt, prompt, tools = "You answer.", "Say done.", []
+
+    def after_tools(self, calls, results):
+        return 0.0
+
+    def finish(self, answer):
+        return 1.0
+
+
+@pytest.mark.parametrize("remove, message", [
+    ("Environment.start", r"environment .* lacks start\(\) of the Environment protocol"),
+    ("Episode.finish", r"Environment.start returned a Episode that lacks finish\(\) of the"),
+    ("Episode.success", r"has no 'success' after finish\(\): the Episode protocol needs it"),
+])
+def test_an_environment_missing_a_protocol_member_is_named(chat, remove, message):
+    environment_class = type("Environment", (_Bare,), {})
+    episode_class = type("Episode", (_BareEpisode,), {})
+    environment_class.start = lambda self, task, memory, seed: episode_class()
+    if remove == "Environment.start":
+        environment_class.start = None
+    elif remove == "Episode.finish":
+        episode_class.finish = None
+    else:  # success is the only member left: with it the rollout finishes
+        episode_class.success = property(lambda self: True)
+        engine = RolloutEngine(ScriptedGenerator(lambda text: "done", chat), chat,
+                               environment_class(), config(samples_per_task=1))
+        assert engine.run(environment_class().tasks("train"))[0].metrics["success"] == 1
+        del episode_class.success
+    with pytest.raises(TypeError, match=message):
+        engine = RolloutEngine(ScriptedGenerator(lambda text: "done", chat), chat,
+                               environment_class(), config(samples_per_task=1))
+        engine.run(environment_class().tasks("train"))

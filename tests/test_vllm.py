@@ -254,7 +254,8 @@ def test_three_ppo_steps_of_the_main_job_on_vllm(served, server, tmp_path):
     assert (tmp_path / "run" / "export" / "policy" / "tokenizer.json").exists()
     # A run that stopped resumes from its checkpoint, the server given the resumed weights.
     config.train.steps = 4
-    assert train_run(config, progress=False, print_fn=lambda *args: None)["steps"] == 4
+    assert train_run(config, progress=False, print_fn=lambda *args: None,
+                     resume=True)["steps"] == 4
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step_four = [r for r in rows if r["kind"] == "train" and r["step"] == 4]
     assert len(step_four) == 1 and step_four[0]["logprob_mismatch_max"] < LOGPROB_TOLERANCE

@@ -58,3 +58,51 @@ class Environment(Protocol):
 
     def start(self, task: Task, memory: MemoryNamespace, seed: int) -> Episode:
         """A fresh episode of ``task``; ``memory`` is the rollout's namespace."""
+
+
+# Each protocol's members (True: a method) checked where the engine first needs them, so a
+# missing one is an error naming it and the class, not an AttributeError deep in a rollout.
+ENVIRONMENT_MEMBERS = {"name": False, "tasks": True, "start": True}
+EPISODE_MEMBERS = {"system_prompt": False, "prompt": False, "tools": False, "after_tools": True,
+                   "finish": True}
+
+
+def _missing(obj, members: Mapping[str, bool]) -> list[str]:
+    missing = []
+    for name, method in members.items():
+        value = getattr(obj, name, _MISSING)
+        if value is _MISSING or (method and not callable(value)):
+            missing.append(f"{name}()" if method else name)
+    return missing
+
+
+_MISSING = object()
+
+
+def check_environment(environment) -> None:
+    """TypeError naming what ``environment`` lacks of the :class:`Environment` protocol."""
+    missing = _missing(environment, ENVIRONMENT_MEMBERS)
+    if missing:
+        raise TypeError(f"environment {type(environment).__name__} lacks {', '.join(missing)} of "
+                        "the Environment protocol (name, tasks(split), start(task, memory, seed); "
+                        "agentrl_fast.harness.environment)")
+
+
+def check_episode(episode, environment) -> None:
+    """TypeError naming what an episode ``environment.start`` returned lacks of the
+    :class:`Episode` protocol (``success`` is checked once the episode finished)."""
+    missing = _missing(episode, EPISODE_MEMBERS)
+    if missing:
+        raise TypeError(f"{type(environment).__name__}.start returned a "
+                        f"{type(episode).__name__} that lacks {', '.join(missing)} of the "
+                        "Episode protocol (system_prompt, prompt, tools, after_tools(calls, "
+                        "results), finish(answer), success; agentrl_fast.harness.environment)")
+
+
+def episode_success(episode) -> bool:
+    """``episode.success`` once finished, or a TypeError naming the class that lacks it."""
+    try:
+        return bool(episode.success)
+    except AttributeError:
+        raise TypeError(f"{type(episode).__name__} has no 'success' after finish(): the Episode "
+                        "protocol needs it (whether the finished episode solved its task)") from None

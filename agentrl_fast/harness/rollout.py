@@ -38,7 +38,8 @@ from typing import Callable, Iterator, Sequence
 
 from agentrl_fast.config.rollout import RolloutConfig
 from agentrl_fast.harness.chat_format import ChatFormat
-from agentrl_fast.harness.environment import Environment, Episode, Task
+from agentrl_fast.harness.environment import (Environment, Episode, Task, check_environment,
+                                              check_episode, episode_success)
 from agentrl_fast.generators.base import Generation, Generator
 from agentrl_fast.harness.memory import MemoryNamespace, MemoryStore
 from agentrl_fast.harness.tool_calls import ToolCall
@@ -215,6 +216,7 @@ class RolloutEngine:
             raise TypeError(f"chat_format must be a ChatFormat, got {type(chat_format).__name__}")
         if not isinstance(config, RolloutConfig):
             raise TypeError(f"config must be a RolloutConfig, got {type(config).__name__}")
+        check_environment(environment)
         self.generator = generator
         self.chat_format = chat_format
         self.environment = environment
@@ -350,6 +352,7 @@ class RolloutEngine:
             memory = self.memory.namespace("agent")
         episode_seed = derive_seed(seed, task.id, sample_index)
         episode = self.environment.start(task, memory, episode_seed)
+        check_episode(episode, self.environment)
         registry = ToolRegistry(episode.tools, default_timeout=self.config.tool_timeout)
         trajectory = Trajectory(rollout_id, task_id=task.id, sample_index=sample_index)
         rollout = _Rollout(task, sample_index, trajectory, episode, registry, memory, episode_seed,
@@ -393,7 +396,7 @@ class RolloutEngine:
             if sub_trace.last_action_index is not None:
                 sub_trace.rewards[sub_trace.last_action_index] += reward
                 break
-        trajectory.metrics["success"] = int(bool(rollout.episode.success))
+        trajectory.metrics["success"] = int(episode_success(rollout.episode))
         rollout.done = True
 
     def _prepare(self, rollout: _Rollout) -> bool:
