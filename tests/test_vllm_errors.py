@@ -190,3 +190,45 @@ def test_a_stream_that_goes_wrong_fails_only_its_sequence():
     assert "engine died" in out[1].error and "without a finish reason" in out[2].error
     assert "not JSON" in out[3].error
     assert generator.stats["failed"] == 3
+
+
+def _model_dir(tmp_path: Path, max_positions: int | None) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {"model_type": "qwen3"}
+    if max_positions is not None:
+        config["max_position_embeddings"] = max_positions
+    (folder / "config.json").write_text(__import__("json").dumps(config))
+    return folder
+
+
+def _flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+@pytest.mark.parametrize("max_positions, given, batched, want", [
+    (1024, None, None, ("1024", "16384")),       # the model's length when it is below 2048
+    (40960, None, None, ("2048", "16384")),      # else 2048 (the CPU server's KV cache)
+    (None, 200, None, ("200", "16384")),         # a run's context budget
+    (40960, 32768, None, ("32768", "32768")),    # whole prefills: the step budget follows
+    (40960, 4096, 8192, ("4096", "8192")),
+])
+def test_the_server_length_follows_the_run_and_the_model(tmp_path, max_positions, given,
+                                                         batched, want):
+    """A checkpoint with max_position_embeddings=1024 used to fail to start (2048 was
+    hard-coded); a run's context budget sets the length; the batch budget is never below it."""
+    server = VLLMServer(_model_dir(tmp_path, max_positions), python=sys.executable,
+                        max_model_len=given, max_num_batched_tokens=batched)
+    command = server.command()
+    assert (_flag(command, "--max-model-len"), _flag(command, "--max-num-batched-tokens")) == want
+
+
+@pytest.mark.parametrize("given, batched, message", [
+    (4096, None, r"max_model_len \(4096.*\) exceeds the model's max_position_embeddings \(1024"),
+    (1000, 512, r"max_num_batched_tokens \(512\) must be at least max_model_len \(1000\)"),
+    (0, None, r"max_model_len must be an int >= 1 or None, got 0"),
+])
+def test_server_lengths_the_model_cannot_serve_are_refused(tmp_path, given, batched, message):
+    with pytest.raises(ValueError, match=message):
+        VLLMServer(_model_dir(tmp_path, 1024), python=sys.executable, max_model_len=given,
+                   max_num_batched_tokens=batched)

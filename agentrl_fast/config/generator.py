@@ -15,8 +15,10 @@ class GeneratorConfig:
     (comma-separated), else a server is started for the run from ``python``, the vLLM
     environment's interpreter (``tools/setup_test_env.sh vllm`` builds one). ``max_concurrency``
     requests in flight, ``timeout`` seconds each, ``retries`` more tries of one that timed out;
-    ``startup_timeout`` seconds for a started server to become healthy. The weights reach the
-    servers after every update (docs/backends.md)."""
+    ``startup_timeout`` seconds for a started server to become healthy; a started server's
+    ``max_model_len`` (default the run's context budget) and ``max_num_batched_tokens`` (default
+    the larger of 16384 and it). The weights reach the servers after every update
+    (docs/backends.md)."""
 
     backend: str = "torch"
     url: str | None = None
@@ -25,6 +27,8 @@ class GeneratorConfig:
     timeout: float = 120.0
     retries: int = 2
     startup_timeout: float = 300.0
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -41,6 +45,11 @@ class GeneratorConfig:
             raise ValueError(f"max_concurrency must be an int >= 1, got {self.max_concurrency!r}")
         if not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         for name in ("timeout", "startup_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")

@@ -22,14 +22,15 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Sequence
 
-# Flags every server gets; ``args`` come after them and win (argparse keeps the last). Chunked
-# prefill is off: vLLM 0.32's CPU worker crashes ("CPU Generator does not use offset") when a
-# seeded request's prefill is split over steps; whole prefills need a token budget of at least
-# the model length per step.
+# Flags every server gets (then --max-model-len and --max-num-batched-tokens, see VLLMServer);
+# ``args`` come after them and win (argparse keeps the last). Chunked prefill is off: vLLM 0.32's
+# CPU worker crashes ("CPU Generator does not use offset") when a seeded request's prefill is
+# split over steps; whole prefills need a token budget of at least the model length per step.
 SERVER_ARGS = ("--dtype", "float32", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
-               "--max-model-len", "2048", "--no-enable-chunked-prefill",
-               "--max-num-batched-tokens", "16384", "--disable-log-stats",
+               "--no-enable-chunked-prefill", "--disable-log-stats",
                "--uvicorn-log-level", "warning")
+DEFAULT_MAX_MODEL_LEN = 2048  # without a run's context budget: vLLM's KV cache on the CPU is small
+MIN_BATCHED_TOKENS = 16384
 
 
 class ServerError(RuntimeError):
@@ -50,6 +51,30 @@ def log_tail(path: Path | None, lines: int = 30) -> str:
     return "\n".join(text) or "(empty log)"
 
 
+def _lengths(model_dir: Path, max_model_len: int | None, batched: int | None) -> tuple[int, int]:
+    """``(max_model_len, max_num_batched_tokens)`` for a server of ``model_dir`` (checked
+    against its ``config.json``: vLLM refuses a length above the model's)."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    model_max = config.get("max_position_embeddings")
+    for name, value in (("max_model_len", max_model_len), ("max_num_batched_tokens", batched)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    if max_model_len is None:
+        max_model_len = min(DEFAULT_MAX_MODEL_LEN, model_max or DEFAULT_MAX_MODEL_LEN)
+    elif model_max is not None and max_model_len > model_max:
+        raise ValueError(f"max_model_len ({max_model_len}, the run's context budget when a run "
+                         f"starts the server) exceeds the model's max_position_embeddings "
+                         f"({model_max}, {model_dir / 'config.json'}); lower it")
+    batched = batched if batched is not None else max(MIN_BATCHED_TOKENS, max_model_len)
+    if batched < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({batched}) must be at least max_model_len "
+                         f"({max_model_len}): prefills are not chunked")
+    return max_model_len, batched
+
+
 class VLLMServer:
     """``with VLLMServer(model_dir, python=...) as server:`` serves ``model_dir`` (a folder vLLM
     loads: config, safetensors, tokenizer) at ``server.base_url`` until the block ends.
@@ -61,13 +86,19 @@ class VLLMServer:
     server and the trainer do not oversubscribe them; ``kv_cache_gib``: its KV cache on the CPU;
     ``startup_timeout``: seconds to wait for ``/health``. The log is kept in ``log_path`` (default
     a temporary file). On exit the whole process group is stopped.
+
+    ``max_model_len``: the longest sequence served (a run passes its context budget; default the
+    smaller of 2048 and the model's ``max_position_embeddings``; more than the model's is an
+    error); ``max_num_batched_tokens``: tokens per engine step, at least ``max_model_len`` since
+    prefills are not chunked (default the larger of 16384 and ``max_model_len``).
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, python: str | os.PathLike,
                  port: int | None = None, args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, threads: str | None = None,
                  kv_cache_gib: float = 1, startup_timeout: float = 300,
-                 log_path: str | os.PathLike | None = None):
+                 log_path: str | os.PathLike | None = None, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None):
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model_dir must be a model folder with a config.json, got "
@@ -81,6 +112,8 @@ class VLLMServer:
         if startup_timeout <= 0:
             raise ValueError(f"startup_timeout must be > 0 seconds, got {startup_timeout!r}")
         self.port = port
+        self.max_model_len, self.max_num_batched_tokens = _lengths(
+            self.model_dir, max_model_len, max_num_batched_tokens)
         self.args = tuple(str(a) for a in args)
         self.env = dict(env or {})
         self.threads = threads or f"0-{(os.cpu_count() or 1) - 1}"
@@ -104,7 +137,8 @@ class VLLMServer:
         guard = ["setpriv", "--pdeathsig", "TERM", "--"] if shutil.which("setpriv") else []
         return [*guard, self.python, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-                *SERVER_ARGS, *self.args]
+                *SERVER_ARGS, "--max-model-len", str(self.max_model_len),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens), *self.args]
 
     def start(self) -> "VLLMServer":
         """Launch the server and wait until it is healthy."""

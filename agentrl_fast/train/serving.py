@@ -35,7 +35,9 @@ def run_generator(config: RunConfig, policy, tokenizer, run_dir: Path,
             folder = export_pretrained(policy, Path(run_dir) / "serving", tokenizer=tokenizer)
             targets = [stack.enter_context(VLLMServer(
                 folder, python=settings.python, startup_timeout=settings.startup_timeout,
-                log_path=Path(run_dir) / "vllm-server.log"))]
+                log_path=Path(run_dir) / "vllm-server.log",
+                max_model_len=settings.max_model_len or config.train.rollout.context_budget,
+                max_num_batched_tokens=settings.max_num_batched_tokens))]
         yield stack.enter_context(VLLMGenerator(
             targets, max_concurrency=settings.max_concurrency, timeout=settings.timeout,
             retries=settings.retries))
