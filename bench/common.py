@@ -153,8 +153,9 @@ def write_record(path: str | os.PathLike, text: str, command: str | None = None)
     lines = text.rstrip("\n").splitlines()
     head = [lines.pop(0)] if lines and lines[0].startswith("# ") else []
     added = []
-    if not any(line.startswith("Summary:") for line in lines):
-        added += ["", *_summary(path)] if _summary(path) else []
+    kept = _summary(path)
+    if kept and not any(line.startswith("Summary:") for line in lines):
+        added += ["", *kept]
     if not any(line.startswith("Command") for line in lines):
         command = command or " ".join(["python", *sys.argv])
         added += ["", f"Command: `{command}`"]
@@ -165,7 +166,9 @@ def write_record(path: str | os.PathLike, text: str, command: str | None = None)
 
 
 def _summary(path: Path) -> list[str]:
-    """The ``Summary:`` paragraph of the record at ``path`` (empty when none)."""
+    """The ``Summary:`` paragraph of the record at ``path`` (empty when none). The same reading
+    as ``results_index.split_summary``, kept here: importing the index from every benchmark
+    would add it to each GPU-suite stage's module list."""
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
