@@ -20,6 +20,7 @@ from pathlib import Path
 
 
 from agentrl_fast.config.distributed import DistributedConfig  # noqa: F401  (re-exported)
+from agentrl_fast.config.errors import ConfigError  # noqa: F401  (re-exported)
 from agentrl_fast.config.generator import GeneratorConfig
 from agentrl_fast.config.rollout import RolloutConfig
 from agentrl_fast.config.sampling import SamplingParams
@@ -149,10 +150,6 @@ class RunConfig:
     train: TrainConfig = field(default_factory=_main_job_train)
     eval: EvalConfig = field(default_factory=EvalConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
-
-
-class ConfigError(ValueError):
-    """A bad configuration; the message names the field."""
 
 
 def _is_dataclass_type(tp) -> bool:
