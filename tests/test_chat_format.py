@@ -289,20 +289,19 @@ def test_encode_keeps_a_tokenizer_whose_wrapper_differs_from_its_backend(builtin
     assert chat.encode(text) != builtin_tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_template_pieces_are_tokenized_alone(builtin_tokenizer):
+def test_turns_are_tokenized_as_whole_runs(builtin_tokenizer):
+    """A tool-result turn is the tokenizer's ids of its whole text (runs between special tokens
+    merge across the template/content seams), not its pieces' ids joined."""
     chat = ChatFormat(builtin_tokenizer)
-    tool_turn = chat.tool_results_ids(["3", "x y"])
-    assert tool_turn == (chat.encode("<|im_start|>user") + chat.encode("\n<tool_response>\n")
-                         + chat.encode("3") + chat.encode("\n</tool_response>")
-                         + chat.encode("\n<tool_response>\n") + chat.encode("x y")
-                         + chat.encode("\n</tool_response>") + chat.encode("<|im_end|>\n"))
-    assert chat.decode(tool_turn) == render_messages([{"role": "tool", "content": "3"},
-                                                      {"role": "tool", "content": "x y"}])
-    assert chat.decode(chat.user_ids("hi")) == "<|im_start|>user\nhi<|im_end|>\n"
-    assert chat.decode(chat.generation_prompt_ids()) == "<|im_start|>assistant\n"
-    assert ChatFormat(builtin_tokenizer, enable_thinking=False).decode(
-        ChatFormat(builtin_tokenizer, enable_thinking=False).generation_prompt_ids()) == (
-        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    contents = ["3", "x y\n", ""]
+    text = render_messages([{"role": "tool", "content": c} for c in contents])
+    tool_turn = chat.tool_results_ids(contents)
+    assert tool_turn == list(builtin_tokenizer.encode(text, add_special_tokens=False))
+    pieces = (chat.encode("<|im_start|>user") + chat.encode("\n<tool_response>\n")
+              + chat.encode("3") + chat.encode("\n</tool_response>"))
+    assert tool_turn[:len(pieces)] != pieces  # the built-in tokenizer merges "\n" + "3"
+    assert chat.user_ids("hi\n") == list(builtin_tokenizer.encode(
+        "<|im_start|>user\nhi\n<|im_end|>\n", add_special_tokens=False))
 
 
 def test_chat_format_checks_the_tokenizer(builtin_tokenizer):
@@ -314,11 +313,15 @@ def test_chat_format_checks_the_tokenizer(builtin_tokenizer):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     bare = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-    with pytest.raises(ValueError, match=r"tokenizer must have '<\|im_start\|>' as one token"):
+    with pytest.raises(ValueError, match=r"lacks Qwen3's chat tokens \['<\|im_start\|>', "
+                                         r"'<\|im_end\|>', '<tool_call>'.*resize_token_embeddings"):
         ChatFormat(bare)
     bare.add_tokens(["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"])
-    with pytest.raises(ValueError, match="'<tool_response>' as one token"):
+    with pytest.raises(ValueError, match=r"chat tokens \['<tool_response>', '</tool_response>'\]"):
         ChatFormat(bare)
+    # What the message says to do makes it a chat tokenizer.
+    bare.add_special_tokens({"additional_special_tokens": ["<tool_response>", "</tool_response>"]})
+    assert ChatFormat(bare).token_ids["</tool_response>"] == len(bare) - 1
     with pytest.raises(ValueError, match="stop_mode must be one of"):
         ChatFormat(builtin_tokenizer, stop_mode="eos")
     with pytest.raises(TypeError, match="tokenizer must be a Hugging Face tokenizer"):

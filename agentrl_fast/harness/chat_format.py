@@ -20,10 +20,16 @@ Qwen3 release for conversations whose assistant turns carry no reasoning content
 The template fails on a ``None`` content; here ``None`` renders as ``""`` (what HF callers
 mean by it). Unknown roles, which the template drops silently, raise ``ValueError``.
 
-:class:`ChatFormat` builds the same text as token ids piece by piece: each template fragment and
-each message content is tokenized alone, so a trajectory built turn by turn from sampled ids and
-appended template ids decodes to the same text without the conversation ever being
-re-tokenized as a whole (docs/design.md, token-in/token-out).
+:class:`ChatFormat` builds the same text as token ids, token-exact with the model's tokenizer:
+the text between two special or added tokens (``<|im_start|>``, ``<tool_response>``, ...) is
+tokenized as one run, as the tokenizer does on the whole rendered string (and as
+``apply_chat_template``, vLLM and SGLang do), so a run that joins template text and a message
+content merges across the seam (``".\n\n"`` is one Qwen3 token). Assistant output is the
+model's own: in a rollout its sampled ids are kept verbatim, and for demonstrations it is
+tokenized alone, as a model samples it after the generation prompt. A trajectory built turn by
+turn — sampled ids, then the template and tool results up to the next generation prompt — is
+thus the tokenizer's ids of the rendered conversation without it ever being re-tokenized as a
+whole: every appended turn starts and ends at a special token (docs/design.md, token-in/token-out).
 """
 
 from __future__ import annotations
@@ -230,6 +236,22 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_level_alphabet()
 
 
+def chat_token_ids(tokenizer) -> dict[str, int]:
+    """The id of each of Qwen3's chat tokens (``SPECIAL_TOKENS``) in ``tokenizer``, or a
+    ValueError listing those it lacks as single tokens and how to add them."""
+    ids = {token: tokenizer.encode(token, add_special_tokens=False) for token in SPECIAL_TOKENS}
+    missing = [token for token, token_ids in ids.items() if len(token_ids) != 1]
+    if missing:
+        raise ValueError(
+            f"the tokenizer lacks Qwen3's chat tokens {missing} (each must encode to one id; "
+            f"they encode to {[len(ids[t]) for t in missing]} ids). Add them with "
+            f"tokenizer.add_special_tokens({{'additional_special_tokens': {missing!r}}}) and "
+            "grow the model's embeddings to match (model.resize_token_embeddings(len(tokenizer)); "
+            "the new rows are untrained, so fine-tune on the chat format before RL), then save "
+            "both with save_pretrained")
+    return {token: token_ids[0] for token, token_ids in ids.items()}
+
+
 class ChatFormat:
     """Token-level Qwen3 rendering with any HF tokenizer that has the Qwen3 special tokens.
 
@@ -250,14 +272,7 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.stop_mode = stop_mode
         self.enable_thinking = enable_thinking
-        self.token_ids: dict[str, int] = {}
-        for token in SPECIAL_TOKENS:
-            ids = tokenizer.encode(token, add_special_tokens=False)
-            if len(ids) != 1:
-                raise ValueError(f"tokenizer must have {token!r} as one token (it encodes to "
-                                 f"{len(ids)} ids); add the Qwen3 special tokens with "
-                                 f"tokenizer.add_tokens({list(SPECIAL_TOKENS)!r})")
-            self.token_ids[token] = ids[0]
+        self.token_ids = chat_token_ids(tokenizer)
         self.im_end_id = self.token_ids[IM_END]
         self.tool_call_close_id = self.token_ids[TOOL_CALL_CLOSE]
         self.stop_ids = ((self.tool_call_close_id, self.im_end_id) if stop_mode == "tool_call"
@@ -316,22 +331,29 @@ class ChatFormat:
 
     def encode_messages(self, messages: Sequence[Mapping], tools: Iterable[Mapping] | None = None,
                         add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
-        """``(ids, action_mask)`` of the rendered conversation: each piece tokenized alone; the
+        """``(ids, action_mask)`` of the rendered conversation: the text between assistant
+        outputs tokenized as a whole (runs split at special tokens), each output alone; the
         mask is 1 on assistant output and on the stop token that ends it (``</tool_call>`` in
         ``"tool_call"`` mode when the output ends with a call, else ``<|im_end|>``) — the tokens
         a policy samples, for supervised warm-start data."""
         ids: list[int] = []
         mask: list[int] = []
+        pending: list[str] = []  # template and content text since the last output
+        samples_im_end = False  # the text after the last output opens with a sampled <|im_end|>
         pieces = render_pieces(messages, tools, add_generation_prompt, self.enable_thinking)
-        for k, (kind, text) in enumerate(pieces):
-            piece = self._template(text) if kind == TEMPLATE else self.encode(text)
-            ids += piece
-            if kind == OUTPUT:
-                mask += [1] * len(piece)
-            elif k > 0 and pieces[k - 1][0] == OUTPUT and self._samples_im_end(pieces[k - 1][1]):
-                mask += [1] + [0] * (len(piece) - 1)  # this piece is "<|im_end|>\n"
-            else:
-                mask += [0] * len(piece)
+        for kind, text in pieces + [(OUTPUT, None)]:
+            if kind != OUTPUT:
+                pending.append(text)
+                continue
+            context = self.encode("".join(pending))
+            ids += context
+            mask += [1] * min(samples_im_end, len(context)) + [0] * (len(context) - samples_im_end)
+            if text is None:
+                break
+            output = self.encode(text)
+            ids += output
+            mask += [1] * len(output)
+            pending, samples_im_end = [], self._samples_im_end(text)
         return ids, mask
 
     def _samples_im_end(self, output: str) -> bool:
@@ -356,12 +378,11 @@ class ChatFormat:
         return self._template(f"{IM_END}\n")
 
     def tool_results_ids(self, contents: Sequence[str]) -> list[int]:
-        """The user turn carrying tool results, each content tokenized alone."""
-        ids = self._template(f"{IM_START}user")
-        for content in contents:
-            ids += self._template(f"\n{TOOL_RESPONSE_OPEN}\n") + self.encode(content)
-            ids += self._template(f"\n{TOOL_RESPONSE_CLOSE}")
-        return ids + self._template(f"{IM_END}\n")
+        """The user turn carrying tool results, tokenized as the whole turn's text."""
+        return self.encode(f"{IM_START}user" + "".join(
+            f"\n{TOOL_RESPONSE_OPEN}\n{content}\n{TOOL_RESPONSE_CLOSE}" for content in contents)
+            + f"{IM_END}\n")
 
     def user_ids(self, content: str) -> list[int]:
-        return self._template(f"{IM_START}user\n") + self.encode(content) + self._template(f"{IM_END}\n")
+        """A user turn, tokenized as the whole turn's text."""
+        return self.encode(f"{IM_START}user\n{content}{IM_END}\n")

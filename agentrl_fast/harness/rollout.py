@@ -6,7 +6,8 @@ Each rollout lives in a loop: generate until a stop, run the turn's tool calls, 
 results (token in, token out: :func:`~agentrl_fast.harness.trajectory.apply_turn`), repeat
 until a final answer or a limit. Before each generation the engine checks the limits:
 
-- ``max_turns``, ``max_total_tokens`` (all sub-traces together): hitting one truncates;
+- ``max_turns``, ``max_total_tokens`` (all sub-traces together, a hard cap: a turn whose tool
+  results would pass it ends the rollout without them): hitting one truncates;
 - ``context_budget``: if the sub-trace plus ``max_new_tokens`` would exceed it, the sub-trace is
   closed as ``"continued"`` and the next starts from the system prompt, the task and a
   compaction summary (``summarize``; the default lists the memory keys and the latest tool
@@ -397,6 +398,8 @@ class RolloutEngine:
                 sub_trace.rewards[sub_trace.last_action_index] += reward
                 break
         trajectory.metrics["success"] = int(episode_success(rollout.episode))
+        if getattr(rollout.episode, "reward_error", None) is not None:  # its reward function failed
+            trajectory.metrics["reward_error"] = 1
         rollout.done = True
 
     def _prepare(self, rollout: _Rollout) -> bool:
@@ -406,7 +409,7 @@ class RolloutEngine:
         if rollout.turns >= config.max_turns:
             self._truncate(rollout, "max_turns")
             return False
-        if trajectory.num_tokens + new > config.max_total_tokens:
+        if trajectory.num_tokens + new + self._turn_end_room > config.max_total_tokens:
             self._truncate(rollout, "max_total_tokens")
             return False
         if (not rollout.compact_next
@@ -418,7 +421,7 @@ class RolloutEngine:
         state = CompactionState(rollout.memory.list(limit=1000), list(rollout.tool_results),
                                 config.summary_chars)
         fresh = self._prompt_ids(rollout, self.summarize(state))
-        if trajectory.num_tokens + len(fresh) + new > config.max_total_tokens:
+        if trajectory.num_tokens + len(fresh) + new + self._turn_end_room > config.max_total_tokens:
             self._truncate(rollout, "max_total_tokens")
             return False
         if (len(fresh) + new + self._turn_end_room > config.context_budget
@@ -453,6 +456,11 @@ class RolloutEngine:
             if turn_reward:
                 sub_trace.add_reward(turn_reward)
                 rollout.trajectory.reward += turn_reward
+        if rollout.trajectory.num_tokens > self.config.max_total_tokens and not outcome.final:
+            # The tool results would pass the rollout's token cap: it ends with this turn.
+            sub_trace.rewind(turn_end)
+            self._truncate(rollout, "max_total_tokens")
+            return
         if len(sub_trace) > self.config.context_budget and not outcome.final:
             # The tool results do not fit: this sub-trace ends with the turn, and the results
             # reach the model through the next sub-trace's summary.
@@ -500,9 +508,10 @@ class RolloutEngine:
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Means over rollouts: reward, success, sub-traces, turns, tokens, tool calls, and tool
+    """Means over rollouts: reward, success, sub-traces, turns, tokens, tool calls, tool
     failures per call whose outcome the harness saw (not the proxy's: its client runs the
-    tools); for logs and benchmarks."""
+    tools), and ``reward_errors`` (rollouts whose reward function failed: an episode's
+    ``reward_error``); for logs and benchmarks."""
     count = max(len(trajectories), 1)
     totals = Counter()
     for t in trajectories:
@@ -516,5 +525,6 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
            "generated_tokens": totals["generated_tokens"] / count,
            "tool_calls": totals["calls"] / count,
            "tool_error_rate": (totals["calls"] - totals["calls_unjudged"] - totals["ok"])
-           / judged}
+           / judged,
+           "reward_errors": totals["reward_error"] / count}
     return out
