@@ -5,7 +5,9 @@ hand them in; :func:`expert_action` is its scripted expert) is the main job's, w
 built-in tokenizer it trains on (:func:`build_tokenizer`: a byte-level BPE carrying Qwen3's chat
 tokens)."""
 
+from agentrl_fast.envs.dataset import DatasetToolEnvironment
 from agentrl_fast.envs.tokenizer import build_tokenizer
 from agentrl_fast.envs.vault import VaultEnvironment, VaultEpisode, expert_action
 
-__all__ = ["VaultEnvironment", "VaultEpisode", "build_tokenizer", "expert_action"]
+__all__ = ["DatasetToolEnvironment", "VaultEnvironment", "VaultEpisode", "build_tokenizer",
+           "expert_action"]
