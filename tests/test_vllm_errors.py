@@ -93,6 +93,31 @@ def test_a_generator_with_no_server_fails_at_connect():
         VLLMGenerator(url, max_concurrency=0)
 
 
+def test_a_bad_weights_dir_is_named_before_anything_starts(tmp_path):
+    """generator.weights_dir missing, a file or not writable: a ValueError naming it, from the
+    generator before it connects and from the run before it starts a server (a ConfigError)."""
+    from agentrl_fast.train.serving import run_generator
+
+    url = f"http://127.0.0.1:{free_port()}"  # never reached
+    (tmp_path / "file").write_text("")
+    unwritable = tmp_path / "read-only"
+    unwritable.mkdir(mode=0o500)
+    if os.geteuid() == 0:  # root writes in any folder it owns
+        unwritable = Path("/proc")
+    for folder, message in ((tmp_path / "missing", "is not an existing folder"),
+                            (tmp_path / "file", "is not an existing folder"),
+                            (unwritable, "cannot write in")):
+        with pytest.raises(ValueError, match=rf"generator\.weights_dir: .*{message}"):
+            VLLMGenerator(url, weights_dir=folder, connect_timeout=1.0)
+        config = RunConfig()
+        config.generator = GeneratorConfig(backend="vllm", url=url, weights_dir=str(folder))
+        with pytest.raises(ConfigError, match=rf"generator\.weights_dir: .*{message}"):
+            with run_generator(config, None, None, tmp_path / "run", False):
+                pass
+    with pytest.raises(ValueError, match="weights_dir must be a folder path or None"):
+        GeneratorConfig(backend="vllm", url=url, weights_dir="")
+
+
 def test_a_server_does_not_outlive_a_killed_trainer(tmp_path, model_dir):
     """SIGKILL to the process that started a server: the server gets SIGTERM (no orphan)."""
     pid_file = tmp_path / "server.pid"

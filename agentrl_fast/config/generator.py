@@ -29,6 +29,12 @@ class GeneratorConfig:
     startup_timeout: float = 300.0
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
+    weights_dir: str | None = None
+    """The folder the trainer writes each weight update into and every server reads it from:
+    it must be visible at the same path to the trainer and all servers (shared storage, e.g.
+    NFS, for servers on other machines); checked (an existing writable folder) where the
+    generator starts. Default ``None``: ``/dev/shm`` when writable, else the temporary folder —
+    servers on this machine only."""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -50,6 +56,10 @@ class GeneratorConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if self.weights_dir is not None and not (isinstance(self.weights_dir, str)
+                                                 and self.weights_dir.strip()):
+            raise ValueError(f"weights_dir must be a folder path or None, got "
+                             f"{self.weights_dir!r}")
         for name in ("timeout", "startup_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")

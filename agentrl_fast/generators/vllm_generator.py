@@ -18,13 +18,16 @@ proxy streaming a reply) requests stream as server-sent events, each event's ids
 comes; such a request is retried only if it timed out before its first ids.
 
 Weights (:meth:`VLLMGenerator.update_weights`): the model's state dict is written as safetensors
-to shared memory (``/dev/shm``) and every server reloads it in place through the dev-mode
-``/collective_rpc`` (the worker's ``reload_weights``), then drops its prefix cache.
+into a new folder of ``weights_dir`` (default shared memory, ``/dev/shm``; a folder on shared
+storage for servers on other machines) and every server reloads it in place through the dev-mode
+``/collective_rpc`` (the worker's ``reload_weights``), then drops its prefix cache. A folder is
+named only once whole (:func:`_write_update`), so no server reads a partial update.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import json
 import os
@@ -33,6 +36,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -97,9 +101,68 @@ def _refusal(endpoint: _Endpoint, request: str, response) -> Exception:
     return endpoint.dead_error(f"{request} answered {response.status_code}: {detail}")
 
 
-def _shm_root() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
-        else tempfile.gettempdir()
+WEIGHTS_PREFIX = "agentrl_fast-weights-"  # + pid: a weight update's folder in weights_dir
+
+
+def default_weights_dir() -> Path:
+    """Where weight updates go without ``weights_dir``: ``/dev/shm`` when writable, else the
+    temporary folder (servers on this machine only)."""
+    shm = "/dev/shm"
+    return Path(shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir())
+
+
+def checked_weights_dir(folder: str | os.PathLike | None) -> Path:
+    """``folder`` (``generator.weights_dir``) as an absolute path, checked to be an existing
+    folder this process can write in (by making one there); ``None``: :func:`default_weights_dir`.
+    The path is kept as given, not resolved: the servers must see it at the same path."""
+    if folder is None:
+        return default_weights_dir()
+    path = Path(os.path.abspath(os.path.expanduser(os.fspath(folder))))
+    if not path.is_dir():
+        raise ValueError(f"generator.weights_dir: {os.fspath(folder)!r} is not an existing "
+                         f"folder; create it on storage the trainer and every server see at the "
+                         f"same path (or leave it unset for /dev/shm, servers on this machine)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{WEIGHTS_PREFIX}probe-", dir=path))
+    except OSError as error:
+        raise ValueError(f"generator.weights_dir: cannot write in {str(path)!r} ({error})"
+                         ) from None
+    return path
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a folder's entries) to its storage."""
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    except OSError as error:  # some file systems cannot fsync a folder
+        if not (path.is_dir() and error.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(handle)
+
+
+def _write_update(state: dict, root: Path) -> Path:
+    """``state`` as ``model.safetensors`` in a new folder of ``root``, named only once whole:
+    written into a hidden ``.partial`` folder, the file and that folder fsynced, renamed (atomic
+    within a file system, NFS's included) and ``root`` fsynced. A server given the returned path,
+    on any host, reads the whole update; a crash mid-write leaves a ``.partial`` folder that no
+    server was told of."""
+    from safetensors.torch import save_file
+
+    name = f"{WEIGHTS_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    partial, final = root / f".{name}.partial", root / name
+    os.mkdir(partial)  # the umask's mode (not mkdtemp's 0o700): servers may run as other users
+    try:
+        save_file(state, str(partial / "model.safetensors"))
+        _fsync(partial / "model.safetensors")
+        _fsync(partial)
+        os.rename(partial, final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    _fsync(root)
+    return final
 
 
 class VLLMGenerator:
@@ -108,11 +171,14 @@ class VLLMGenerator:
     reported with their logs). ``model``: the served model name (default the server's first);
     ``max_concurrency``: requests in flight over all servers; ``timeout``: seconds per request;
     ``retries``: more tries of a request that timed out; ``connect_timeout``: seconds to wait
-    for the servers at construction."""
+    for the servers at construction; ``weights_dir``: the folder weight updates are written
+    into and the servers read from (``generator.weights_dir``: shared storage seen at the same
+    path by all servers; default ``/dev/shm``, servers on this machine), checked here."""
 
     def __init__(self, base_url: str | VLLMServer | Sequence[str | VLLMServer],
                  model: str | None = None, *, max_concurrency: int = 64, timeout: float = 120.0,
-                 retries: int = 2, connect_timeout: float = 30.0):
+                 retries: int = 2, connect_timeout: float = 30.0,
+                 weights_dir: str | os.PathLike | None = None):
         import httpx  # the optional "serve" extra
 
         targets = [base_url] if isinstance(base_url, str | VLLMServer) else list(base_url)
@@ -134,6 +200,7 @@ class VLLMGenerator:
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {retries!r}")
         self.max_concurrency, self.timeout, self.retries = max_concurrency, timeout, retries
+        self.weights_dir = checked_weights_dir(weights_dir)
         self.stats = {"requests": 0, "retries": 0, "failed": 0, "weight_syncs": 0,
                       "weight_sync_seconds": 0.0}
         self._loop = asyncio.new_event_loop()
@@ -141,7 +208,7 @@ class VLLMGenerator:
                                         name="agentrl_fast-vllm")
         self._thread.start()
         self._client = self._call(self._make_client(httpx))
-        self._weights_dir: Path | None = None
+        self._update_dir: Path | None = None  # the servers' current weights (kept until the next)
         try:
             self.model = model or self._call(self._connect(connect_timeout))
         except BaseException:
@@ -167,8 +234,8 @@ class VLLMGenerator:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
-        if self._weights_dir is not None:
-            shutil.rmtree(self._weights_dir, ignore_errors=True)
+        if self._update_dir is not None:
+            shutil.rmtree(self._update_dir, ignore_errors=True)
 
     def __enter__(self) -> "VLLMGenerator":
         return self
@@ -349,27 +416,31 @@ class VLLMGenerator:
 
     def update_weights(self, model) -> None:
         """The servers sample from ``model``'s current parameters from their next request on:
-        its state dict (HF names, float tensors) as safetensors in shared memory, reloaded in
-        place by every server, whose prefix caches are then dropped."""
+        its state dict (HF names, float tensors) as safetensors in a new folder of
+        ``weights_dir`` (:func:`_write_update`: whole before the servers are told its path),
+        reloaded in place by every server, whose prefix caches are then dropped; then the
+        previous update's folder is removed."""
         start = time.perf_counter()
-        from safetensors.torch import save_file
-
         state = {name: tensor.detach().to("cpu").contiguous()
                  for name, tensor in unwrap(model).state_dict().items()}
-        folder = Path(tempfile.mkdtemp(prefix="agentrl_fast-weights-", dir=_shm_root()))
+        folder = _write_update(state, self.weights_dir)
         try:
-            save_file(state, str(folder / "model.safetensors"))
-            self._call(self._each("POST", "/collective_rpc", {
-                "method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
-                timeout=max(self.timeout, 600)))
+            try:
+                self._call(self._each("POST", "/collective_rpc", {
+                    "method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+                    timeout=max(self.timeout, 600)))
+            except (ServerError, ValueError) as error:
+                raise type(error)(f"{error}\n(reloading the weights from {folder}: every server "
+                                  f"must see generator.weights_dir, {self.weights_dir}, at that "
+                                  f"path)") from None
             self._call(self._each("POST", "/reset_prefix_cache"))
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        # The servers' configs now point at the new folder: keep it until the next sync.
-        if self._weights_dir is not None:
-            shutil.rmtree(self._weights_dir, ignore_errors=True)
-        self._weights_dir = folder
+        # Every server confirmed the reload and now points at the new folder: keep only it.
+        if self._update_dir is not None:
+            shutil.rmtree(self._update_dir, ignore_errors=True)
+        self._update_dir = folder
         self.stats["weight_syncs"] += 1
         self.stats["weight_sync_seconds"] += time.perf_counter() - start
 
