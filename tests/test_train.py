@@ -422,6 +422,19 @@ def test_checkpoint_every_needs_a_checkpoint_dir(chat):
         Trainer(policy_for(chat), chat, ParityVaultEnvironment(), train_config(checkpoint_every=2))
 
 
+def test_checkpoint_every_0_with_a_checkpoint_dir_writes_only_the_final_checkpoint(tmp_path,
+                                                                                  chat):
+    config = train_config(steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=0)
+    trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config)
+    trainer.train(steps=1)
+    assert [p.name for p in tmp_path.glob("step-*")] == ["step-000000001"]
+    trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000001",
+                                                               "step-000000002"]
+    trainer.train()  # nothing left to run: nothing written
+    assert len(list(tmp_path.glob("step-*"))) == 2
+
+
 def test_damaged_latest_checkpoint_is_skipped_with_a_message(tmp_path, chat):
     config = train_config(steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=1)
     Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config).train()

@@ -104,35 +104,78 @@ class EvalConfig:
 
 
 def _main_job_env() -> EnvConfig:
-    """Every task has three vaults: the held-out split (vault lists never in the train split) is
-    all 3-vault lists anyway, and RL on mixed 2-3-vault tasks learned a 2-vault shortcut there
-    (docs/experiments.md)."""
-    return EnvConfig(min_vaults=3)
+    """The main job's environment (the library's EnvConfig() keeps a library user's defaults).
+    Each value that differs from EnvConfig()'s says why in the comment above it
+    (docs/reference/config.md, written by tools/config_reference.py, shows them side by side)."""
+    return EnvConfig(
+        # Every task has three vaults: the held-out split (vault lists never in the train split)
+        # is all 3-vault lists anyway, and RL on mixed 2-3-vault tasks learned a 2-vault
+        # shortcut there (docs/experiments.md).
+        min_vaults=3)
 
 
 def _main_job_train() -> TrainConfig:
-    """The main job's trainer (the library's TrainConfig() keeps a library user's defaults)."""
+    """The main job's trainer, tuned on the vault task (docs/experiments.md); the library's
+    TrainConfig() keeps a library user's general-purpose defaults. Each value that differs
+    from TrainConfig()'s says why in the comment above it or on its line
+    (docs/reference/config.md, written by tools/config_reference.py, shows them side by side)."""
     return TrainConfig(
-        algo="ppo", steps=100, tasks_per_step=8, micro_batch_tokens=16384,
-        # One pass over each batch in four mini-batches of whole rollouts (verl's default
-        # ppo_epochs=1), the old log-probs taken from the rollout: half the learning cost of two
-        # epochs, learning as fast per step (docs/experiments.md).
-        mini_batches=4, epochs=1,
-        # None: the rollout's log-probs stand in when synchronous, recomputed when asynchronous
-        # (train.max_staleness > 0, whose behaviour importance weights are capped at tis_cap).
-        recompute_logprobs=None, tis_cap=2.0,
-        policy_lr=1e-4, critic_lr=3e-3, gamma=1.0, kl_coef=0.0,
-        # Lambda 1 through compactions: every action token's advantage is its rollout's
-        # return minus the critic's value there (docs/experiments.md).
-        lam=1.0,
+        algo="ppo", tasks_per_step=8, epochs=1, policy_lr=1e-4, gamma=1.0, kl_coef=0.0,
         entropy_coef=0.0,
-        loss_agg_mode="rollout-mean",  # each episode counts once, whatever its length
-        bootstrap_truncated=False,  # the vault task's limits end the episode (scored 0)
-        # A checkpoint every 5 steps (TrainConfig's 0: none, for library use).
+        # The RL phase of a run of a few minutes on 2 CPU cores: from the warm-start, 100 steps
+        # took held-out success to 0.956 on average over seeds 0-4 (docs/experiments.md).
+        steps=100,
+        # Each of the main job's mini-batches (a quarter of a step's ~34k tokens in the tuning
+        # runs) in one forward/backward: the tiny model's activations are small, and fewer
+        # passes are faster (docs/experiments.md, speed).
+        micro_batch_tokens=16384,
+        # One pass over each batch in four mini-batches of whole rollouts (verl's default
+        # ppo_epochs=1): four policy updates a step, half the learning cost of two epochs,
+        # learning as fast per step (docs/experiments.md).
+        mini_batches=4,
+        # The rollout's own log-probs stand in for the old ones when synchronous (the main
+        # job's TorchGenerator records them; one policy forward a step saved), recomputed when
+        # asynchronous (--set train.max_staleness=k), which needs them.
+        recompute_logprobs=None,
+        # Lets --set train.max_staleness=k turn the main job asynchronous (its behaviour
+        # importance weights need a cap); synchronous runs have weights exp(0) = 1, so the cap
+        # changes nothing there.
+        tis_cap=2.0,
+        # The tiny separate critic learns the vault task's outcome values at 3e-3, kept from
+        # the tuning runs (1e-3 was within noise on one seed; docs/experiments.md, critic).
+        critic_lr=3e-3,
+        # Lambda 1 through compactions: every action token's advantage is its rollout's
+        # return minus the critic's value there, so the one final reward reaches every
+        # sub-trace (docs/experiments.md).
+        lam=1.0,
+        # Each episode counts once, whatever its length: token-mean let long looping failures
+        # outweigh short successes (docs/experiments.md).
+        loss_agg_mode="rollout-mean",
+        # The vault task's limits end the episode (scored 0): bootstrapping the critic's guess
+        # made running into max_turns look as good as the critic's average.
+        bootstrap_truncated=False,
+        # The CLI gives every run a checkpoint folder: a checkpoint every 5 steps bounds what a
+        # crash loses (--resume); the final state is always written.
         checkpoint_every=5,
         rollout=RolloutConfig(
-            samples_per_task=4, context_budget=200, max_turns=24, summary_chars=200,
-            sampling=SamplingParams(temperature=0.7, max_new_tokens=24)))
+            # Four rollouts of each task, so GRPO (--algo grpo) has groups to compare and PPO
+            # and GRPO train on the same samples.
+            samples_per_task=4,
+            # The vault task tests memory across compactions: a 200-token budget compacts an
+            # episode into about 3-6 sub-traces, so codes must be saved in memory.
+            context_budget=200,
+            # The expert finishes a 3-vault task in 13-16 turns; 24 leaves room for mistakes
+            # and ends looping episodes early.
+            max_turns=24,
+            # The summary must fit the 200-token budget beside the system prompt and the task.
+            summary_chars=200,
+            sampling=SamplingParams(
+                # At T = 1 a low-entropy policy's long episodes fail on sampling noise the
+                # greedy policy never makes; 0.7 did better (docs/experiments.md).
+                temperature=0.7,
+                # The vault task's turns are short tool calls (the expert's at most 7 tokens);
+                # a smaller cap leaves more of the 200-token budget before a compaction.
+                max_new_tokens=24)))
 
 
 @dataclass

@@ -10,11 +10,20 @@ MIXED_PRECISIONS = ("none", "bf16", "fp16")
 
 @dataclass
 class DistributedConfig:
-    """How a run uses N ranks (only read under ``torchrun``)."""
+    """How a run uses N ranks (only read under ``torchrun``; docs/scaling.md)."""
 
-    strategy: str = "fsdp"  # "fsdp" (FSDP2 fully_shard) or "ddp" (replicas)
-    mixed_precision: str = "none"  # FSDP2 parameter dtype in forward/backward: none, bf16, fp16
-    timeout_seconds: float = 600.0  # a collective waiting longer fails the job
+    strategy: str = "fsdp"
+    """``"fsdp"``: FSDP2's ``fully_shard`` on policy, critic and reference (each decoder layer,
+    then the model): parameters, gradients and optimizer states sharded across ranks, for
+    models a device cannot hold with their optimizer; ``"ddp"``: a whole replica per rank under
+    ``DistributedDataParallel``, simpler for small models."""
+    mixed_precision: str = "none"
+    """FSDP2's parameter dtype in forward and backward: ``"none"`` (the parameters' own),
+    ``"bf16"`` or ``"fp16"`` (less memory, faster matmuls on GPUs; gradients still reduce in
+    float32). Needs ``strategy="fsdp"``."""
+    timeout_seconds: float = 600.0
+    """Seconds a collective may wait before it raises on its rank, so a stuck rank fails the
+    job instead of hanging it. Raise it if ranks legitimately wait on each other longer."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:

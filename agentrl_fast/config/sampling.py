@@ -8,15 +8,25 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature`` (0: greedy; log-probs are then those of the untempered distribution),
-    ``top_p`` in (0, 1], ``top_k`` (0: off), ``max_new_tokens`` per sequence, ``stop_ids``:
-    token ids that end a sequence (kept as its last sampled id)."""
+    """How a generator samples each sequence (a turn, in a rollout)."""
 
     temperature: float = 1.0
+    """Softmax temperature, >= 0; 0: greedy (log-probs are then those of the untempered
+    distribution). The trainer's log-probs use the same temperature, so PPO's ratio starts at
+    1. Below 1 samples fewer unlikely tokens; 1 samples the policy as it is."""
     top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches
+    ``top_p``, in (0, 1]; 1: off. Log-probs stay those before truncation (the vLLM backend
+    needs it off)."""
     top_k: int = 0
+    """Sample from the ``top_k`` most likely tokens; 0: off (the vLLM backend needs it off)."""
     max_new_tokens: int = 256
+    """Most tokens generated per sequence; a turn that reaches it without a stop truncates its
+    rollout. Set it above the longest turn a good policy writes."""
     stop_ids: tuple[int, ...] = ()
+    """Token ids that end a sequence (kept as its last sampled id). The rollout engine sets
+    them to its chat format's stop tokens, whatever is given here; they matter when calling a
+    generator directly."""
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0

@@ -16,90 +16,184 @@ KL_MODES = ("loss", "reward")
 
 @dataclass
 class TrainConfig:
-    """Everything a run needs besides the models and the environment (see the README)."""
+    """Everything a training run needs besides the models and the environment. The defaults
+    are general-purpose; the main job (``RunConfig().train``) tunes some for the vault task,
+    each with its reason (docs/reference/config.md lists both)."""
 
     algo: str = "ppo"
+    """``"ppo"`` (a critic, GAE advantages) or ``"grpo"`` (no critic, group-relative outcome
+    advantages). Decides whether there is a critic: a critic-free ``advantage_estimator``
+    (REINFORCE++, RLOO) runs with ``"grpo"``."""
     seed: int = 0
+    """Seeds episodes, task order and mini-batch order; the same seed gives the same run on the
+    CPU. A run config's top-level ``seed`` replaces it."""
     steps: int = 10
+    """Training steps (one batch of rollouts and its updates each); also where ``linear`` and
+    ``cosine`` learning-rate schedules reach 0. A small number for trying the library out; set
+    it to your run's length."""
     tasks_per_step: int = 8
+    """Tasks rolled out per step, each ``rollout.samples_per_task`` times: the batch is their
+    product in rollouts. Raise it for lower-variance updates at the cost of rollout time."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The rollout engine's limits and sampling (``RolloutConfig``)."""
     micro_batch_tokens: int = 4096
+    """Most tokens in one forward/backward (sub-traces packed, no padding; a sub-trace is never
+    split, so at least ``rollout.context_budget``). Bounds activation memory, not the
+    gradient: micro-batches accumulate. Lower it when a step runs out of memory; raise it to
+    take a mini-batch in fewer passes."""
     mini_batches: int = 1
+    """Optimizer steps per epoch: each epoch splits the batch into this many mini-batches of
+    whole rollouts, one update each (``epochs * mini_batches`` policy updates a step). More
+    updates learn more from each batch of rollouts; the later ones are further off-policy
+    (the clip bounds them)."""
     epochs: int = 1
+    """Passes over each batch of rollouts (PPO's epochs)."""
     policy_lr: float = 1e-4
+    """The policy's AdamW learning rate (peak, before ``lr_schedule``). Watch the step-1
+    ``approx_kl``: too high a rate makes early updates large and can collapse the policy."""
     critic_lr: float = 1e-3
+    """The critic's AdamW learning rate (the separate critic, or the shared critic's value
+    head). Usually several times ``policy_lr``: the value targets move with the policy."""
     weight_decay: float = 0.0
+    """AdamW weight decay of the policy and critic optimizers."""
     warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up (from ``1 / warmup_steps`` of the rate to all of
+    it) before ``lr_schedule`` applies; for rates high enough that the first updates overshoot."""
     lr_schedule: str = "constant"
+    """After warm-up: ``"constant"``, or ``"linear"`` / ``"cosine"`` decay to 0 at ``steps``."""
     max_grad_norm: float = 1.0
+    """Gradient clipping: each optimizer step's global gradient norm is scaled down to at most
+    this (the policy's and the separate critic's, each)."""
     gamma: float = 1.0
+    """GAE's discount per action transition (not per token: an observation span between two
+    actions counts once), in [0, 1]. 1 for episodic tasks scored at the end."""
     lam: float = 0.95
-    # The critic's GAE lambda for its value targets (None: lam). Decoupled GAE (VC-PPO, VAPO):
-    # lam = 1 gives the policy unbiased returns over long traces while the critic still learns
-    # from lower-variance targets.
+    """GAE's lambda for the policy's advantages, in [0, 1]: lower leans more on the critic's
+    values (less variance, more of their bias); 1 makes each advantage the return minus the
+    critic's value. 0.95 is the usual PPO value; with a sparse final reward over long traces,
+    1 carries the outcome to every token."""
     critic_lam: float | None = None
-    # GAE's lambda-return continues through a compaction (each rollout's sub-traces as one
-    # sequence; with lam = 1 every token's return is its rollout's return). True restarts it at
-    # each compaction, leaving everything after one to the critic's value there: on the vault
-    # task's 6-sub-trace episodes the outcome then reaches the early sub-traces only as fast
-    # as the critic learns it (docs/experiments.md).
+    """The critic's GAE lambda for its value targets (None: ``lam``). Decoupled GAE (VC-PPO,
+    VAPO): ``lam`` 1 gives the policy unbiased returns over long traces while the critic still
+    learns from lower-variance targets."""
     gae_restart_at_compaction: bool = False
-    bootstrap_truncated: bool = True  # False: a limit ends the episode (see train.advantages)
+    """False: GAE's lambda-return continues through a compaction (each rollout's sub-traces as
+    one sequence; with ``lam`` 1 every token's return is its rollout's return). True restarts
+    it at each compaction, leaving everything after one to the critic's value there: on the
+    vault task's 6-sub-trace episodes the outcome then reaches the early sub-traces only as fast
+    as the critic learns it (docs/experiments.md)."""
+    bootstrap_truncated: bool = True
+    """A rollout cut by a limit (``max_turns``, ``max_total_tokens``, ...): True bootstraps it
+    with the critic's value after its last token (the episode would have gone on); False
+    scores it as terminal (bootstrap 0), for environments whose limits end the episode."""
     whiten_advantages: bool = True
-    # The advantage estimator, a name in agentrl_fast.train.advantages.ADVANTAGE_ESTIMATORS
-    # ("gae", "grpo", or one registered with register_advantage) or "package.module:function";
-    # None: "gae" for ppo, "grpo" for grpo.
+    """GAE: normalize advantages to mean 0, std 1 over the batch's action tokens."""
     advantage_estimator: str | None = None
-    # The policy loss, a name in agentrl_fast.train.losses.POLICY_LOSSES ("ppo", or one
-    # registered with register_policy_loss) or "package.module:function".
+    """The advantage estimator, a name in ``agentrl_fast.train.advantages.ADVANTAGE_ESTIMATORS``
+    (``"gae"``, ``"grpo"``, or one registered with ``register_advantage``) or
+    ``"package.module:function"``; None: ``"gae"`` for ppo, ``"grpo"`` for grpo."""
     policy_loss: str = "ppo"
-    loss_agg_mode: str | None = None  # default: token-mean (ppo), rollout-mean (grpo)
-    loss_norm_constant: float | None = None  # seq-mean-token-sum-norm's constant
+    """The policy loss, a name in ``agentrl_fast.train.losses.POLICY_LOSSES`` (``"ppo"``, or one
+    registered with ``register_policy_loss``) or ``"package.module:function"``."""
+    loss_agg_mode: str | None = None
+    """How token losses are weighted into the batch's loss (docs/design.md, "Loss
+    aggregation"): ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
+    ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``, ``rollout-mean`` (each rollout
+    once). None: ``token-mean`` for ppo, ``rollout-mean`` for grpo."""
+    loss_norm_constant: float | None = None
+    """``seq-mean-token-sum-norm``'s constant length in tokens (Dr. GRPO; e.g. the most new
+    tokens); required by that mode, unused by the others."""
     clip_low: float = 0.2
+    """PPO's clip below 1: the probability ratio stops counting under ``1 - clip_low``."""
     clip_high: float = 0.28
+    """PPO's clip above 1: the ratio stops counting over ``1 + clip_high``. Wider than
+    ``clip_low`` (DAPO's clip-higher), so unlikely tokens can still gain probability."""
     dual_clip: float | None = None
+    """Dual-clip PPO's constant ``c > 1``: for negative advantages the loss is at most
+    ``-A * c``, bounding a huge ratio's update; None: off."""
     value_clip: float | None = 0.2
+    """The value loss's clip: new values count at most this far (in the returns' units) from
+    the values at scoring; None: unclipped."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus subtracted from the policy loss; above 0 against entropy
+    collapse."""
     kl_coef: float = 0.0
+    """Weight of the KL to a frozen reference copy of the policy (made only when > 0); the
+    initial value when ``kl_target`` adapts it."""
     kl_mode: str = "loss"
+    """Where the KL goes: ``"loss"`` (a term of the policy loss, ``kl_estimator``) or
+    ``"reward"`` (k1 per token subtracted from the rewards before GAE; ppo only)."""
     kl_estimator: str = "k3"
+    """The in-loss KL estimator: ``k1`` (``logp - ref``), ``k2`` (``(logp - ref)^2 / 2``), ``k3``
+    (``exp(ref - logp) - (ref - logp) - 1``, always >= 0, low variance)."""
     kl_target: float | None = None
+    """Adaptive KL (Ziegler et al.): after each step ``kl_coef`` rises when the reference KL
+    (k1, mean per action token) is above this target and falls when below; None: ``kl_coef``
+    stays fixed."""
     kl_horizon: int = 100
+    """Adaptive KL's horizon in episodes: a step with ``n`` rollouts moves ``kl_coef`` by up to
+    20 % times ``n / kl_horizon``."""
     tis_cap: float | None = None
+    """Truncated importance sampling: each token's loss is weighted by
+    ``min(exp(old - rollout log-prob), tis_cap)``, correcting a mismatch between the sampler
+    and the trainer (another backend, staleness); None: off. Needed with ``max_staleness > 0``."""
     critic: str = "separate"
+    """``"separate"``: a critic model initialised from the policy's backbone, with its own
+    optimizer; ``"shared"``: a value head on the policy's backbone trained in the same backward
+    (``value_coef``): cheaper, but the value loss shares the policy's features."""
     value_coef: float = 0.5
+    """``critic="shared"``: the value loss's weight in the shared backward
+    (``pg + value_coef * value loss``)."""
     critic_warmup_steps: int = 0
-    # The separate critic's epochs over the batch, on the same mini-batches (verl's critic
-    # ppo_epochs); None: ``epochs``.
+    """Steps at the start that train only the critic (the policy is not updated), so its
+    values are sensible before they shape advantages."""
     critic_epochs: int | None = None
-    # On the CPU (one process, 2+ threads): the separate critic's update of a mini-batch runs in
-    # a thread beside the policy's, each on half the intra-op threads.
+    """The separate critic's epochs over the batch, on the same mini-batches (verl's critic
+    ``ppo_epochs``); None: ``epochs``."""
     overlap_critic: bool = True
-    # False: the old log-probs PPO's ratio starts from are the rollout's own sampling log-probs
-    # (the same policy and temperature, so equal up to float rounding: the mismatch metric
-    # shows it when recomputing) instead of one more forward of the policy over the batch
-    # (verl's bypass mode). Needs a generator that records the policy's log-probs, as
-    # TorchGenerator does. None: recomputed exactly when training is asynchronous.
+    """On the CPU (one process, 2+ threads): the separate critic's update of a mini-batch runs
+    in a thread beside the policy's, each on half the intra-op threads."""
     recompute_logprobs: bool | None = True
-    # Asynchronous training (docs/training.md): rollouts are produced beside the learner, and a
-    # rollout is trained on only while its oldest token is at most max_staleness versions
-    # (learner steps) behind. 0: synchronous (roll out, then learn). Needs the recomputed
-    # (proximal) log-probs and tis_cap (the behaviour importance weight's cap).
+    """True: the old log-probs PPO's ratio starts from are recomputed by one more forward of the
+    policy over the batch, and the rollout/trainer mismatch is reported. False: the rollout's
+    own sampling log-probs (the same policy and temperature, so equal up to float rounding),
+    saving that forward (verl's bypass mode); needs a generator that records the policy's
+    log-probs, as TorchGenerator does. None: recomputed exactly when asynchronous
+    (``max_staleness > 0``)."""
     max_staleness: int = 0
-    # Asynchronous: a rollout whose weights change mid-episode keeps its turns with the versions
-    # that sampled them (partial rollouts); False restarts its whole group from the first turn
-    # on the new weights (abort-and-restart: every rollout on one version, at the cost of the
-    # discarded turns; a group slower than a learner step may restart more than once).
+    """Asynchronous training (docs/training.md): rollouts are produced beside the learner, and
+    a rollout is trained on only while its oldest token is at most this many versions (learner
+    steps) behind. 0: synchronous (roll out, then learn). Needs the recomputed (proximal)
+    log-probs and ``tis_cap``."""
     partial_rollouts: bool = True
+    """Asynchronous: a rollout whose weights change mid-episode keeps its turns with the
+    versions that sampled them (partial rollouts); False restarts its whole group from the
+    first turn on the new weights (abort-and-restart: every rollout on one version, at the cost
+    of the discarded turns; a group slower than a learner step may restart more than once)."""
     grpo_normalize_std: bool = True
-    # Dynamic sampling (DAPO): train only on task groups whose rollouts' rewards differ, rolling
-    # out up to max_rollout_rounds batches of tasks_per_step tasks to find tasks_per_step of them.
+    """GRPO: divide each rollout's reward minus its group's mean by the group's standard
+    deviation; False keeps the centred reward (Dr. GRPO)."""
     filter_groups: bool = False
+    """Dynamic sampling (DAPO): train only on task groups whose rollouts' rewards differ (a
+    group that agrees has zero advantage under GRPO), rolling out up to
+    ``max_rollout_rounds`` batches to find ``tasks_per_step`` of them. Needs
+    ``rollout.samples_per_task >= 2``."""
     max_rollout_rounds: int = 1
+    """``filter_groups``: most batches of ``tasks_per_step`` tasks rolled out in one step to
+    fill it; a step that finds none skips the update."""
     checkpoint_dir: str | None = None
+    """Where checkpoints go (a folder of ``step-NNNNNNNNN`` directories); None: no checkpoints.
+    A folder that holds one is resumed with ``Trainer(resume=True)`` and is an error without
+    it."""
     checkpoint_every: int = 0
+    """Steps between checkpoints in ``checkpoint_dir``; 0: only the final one, written when
+    ``Trainer.train`` returns (with no ``checkpoint_dir``, none). Above 0 needs
+    ``checkpoint_dir``. Lower it to lose fewer steps to a crash, at the cost of more writes."""
     keep_checkpoints: int | None = 3
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # under torchrun
+    """The newest checkpoints kept in ``checkpoint_dir`` (older ones are deleted after each
+    write); None: all."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """How the run uses N ranks under ``torchrun`` (``DistributedConfig``)."""
 
     def __post_init__(self):
         if self.algo not in ALGORITHMS:

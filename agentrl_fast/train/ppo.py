@@ -326,11 +326,14 @@ class Trainer:
 
     def train(self, steps: int | None = None, callback=None) -> list[dict[str, float]]:
         """Run until ``steps`` (default ``config.steps``) steps are done; returns the metrics of
-        the steps run now."""
+        the steps run now. With a ``checkpoint_dir`` and ``checkpoint_every=0``, the state at
+        the end is checkpointed (only then)."""
         history = []
         while self.step_index < (steps if steps is not None else self.config.steps):
             metrics = self.step()
             history.append(metrics)
             if callback is not None:
                 callback(metrics)
+        if history and self.config.checkpoint_dir and not self.config.checkpoint_every:
+            self.save_checkpoint()
         return history
