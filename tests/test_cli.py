@@ -179,7 +179,8 @@ def test_tokenizer_without_the_chat_tokens_is_refused(tmp_path):
     result = cli("train", "--run-dir", str(tmp_path / "run"), "--no-progress", "--set",
                  f"model.tokenizer={tmp_path / 'tok'}", timeout=120)
     assert result.returncode == 2
-    assert "model.tokenizer: tokenizer must have '<|im_start|>' as one token" in result.stderr
+    assert "model.tokenizer: the tokenizer lacks Qwen3's chat tokens ['<|im_start|>'" in result.stderr
+    assert "resize_token_embeddings" in result.stderr
 
 
 def test_config_files_and_overrides():

@@ -29,31 +29,66 @@ from agentrl_fast.config.train import TrainConfig
 
 @dataclass
 class EnvConfig:
-    """The built-in vault environment (``VaultEnvironment``'s arguments)."""
+    """The environment: the built-in vault task (its fields here), the built-in dataset tool
+    environment (``name: dataset``), or any object following the ``Environment`` protocol
+    (``factory``); see docs/own-agent.md."""
 
     name: str = "vault"
+    """``"vault"`` (the built-in memory task) or ``"dataset"`` (tasks from JSONL/Parquet files,
+    tools from a module, a reward function: ``DatasetToolEnvironment``, configured by ``args``).
+    Ignored when ``factory`` is set."""
+    factory: str | None = None
+    """``"package.module:callable"`` returning an ``Environment`` (name, tasks(split),
+    start(task, memory, seed)), called with ``args`` as keyword arguments; the module is looked
+    up on ``sys.path``, then in the config file's folder and the working directory."""
+    args: dict = field(default_factory=dict)
+    """Keyword arguments of ``factory``, or of ``DatasetToolEnvironment`` for
+    ``name: dataset`` (relative file paths: the working directory, then the config's folder)."""
     min_vaults: int = 2
+    """Vault task: fewest vaults a task asks for."""
     max_vaults: int = 3
+    """Vault task: most vaults a task asks for."""
     jam_probability: float = 0.3
+    """Vault task: chance a vault is jammed on its first opening (the model must retry)."""
     train_size: int = 10_000
+    """Vault task: number of training tasks."""
     eval_size: int = 250
+    """Vault task: number of held-out tasks (the warm-start's checks and the evaluation)."""
     error_penalty: float = 0.0
+    """Vault task: reward subtracted per failed tool call, in [0, 1]."""
 
 
 @dataclass
 class ModelConfig:
-    """The tiny Qwen3-style policy built in code, and the tokenizer: the built-in one trained
-    in code (``vocab_size``), or ``tokenizer``, a folder ``AutoTokenizer`` loads (it must have
-    the Qwen3 chat tokens)."""
+    """The policy: a Hugging Face checkpoint (``path``) with its own tokenizer, or the tiny
+    Qwen3-style model built in code (the shape fields) with the built-in tokenizer."""
 
+    path: str | None = None
+    """A Hugging Face causal-LM folder (or hub id) to train: loaded with ``from_pretrained``
+    with its own tokenizer, which must have Qwen3's chat tokens; the critic starts from it. None:
+    the built-in tiny model. A relative folder is looked up from the working directory, then
+    the config file's folder."""
+    dtype: str = "float32"
+    """The weights' dtype when ``path`` is set: float32, bfloat16, float16 or auto (the
+    checkpoint's own)."""
+    tokenizer: str | None = None
+    """A tokenizer folder ``AutoTokenizer`` loads instead of the model's own (with ``path``) or
+    of the built-in one; it must have Qwen3's chat tokens."""
     hidden_size: int = 64
+    """Built-in tiny model: hidden size."""
     num_layers: int = 2
+    """Built-in tiny model: decoder layers."""
     num_heads: int = 4
+    """Built-in tiny model: attention heads."""
     num_kv_heads: int = 2
+    """Built-in tiny model: key/value heads (GQA when fewer than ``num_heads``)."""
     head_dim: int = 16
+    """Built-in tiny model: dimension of each head."""
     vocab_size: int = 1024
-    tokenizer: str | None = None  # an HF tokenizer folder instead of the built-in one
-    fused_layers: bool = True  # RMSNorm and SwiGLU on agentrl_fast's fused ops
+    """Built-in tokenizer: most ids it learns from the environment's corpus."""
+    fused_layers: bool = True
+    """RMSNorm and SwiGLU on agentrl_fast's fused ops (Llama-family models; ignored, with a
+    note, for others)."""
 
 
 @dataclass
@@ -92,6 +127,14 @@ class WarmStartConfig:
     expert_save_probability: float = 1.0
     expert_read_probability: float = 1.0
     expert_retry_probability: float = 1.0
+    source: str = "auto"
+    """What the warm-start imitates: ``"expert"`` (the vault task's scripted expert, ``demos``
+    rollouts), ``"data"`` (the conversations of ``data``), ``"none"`` (RL from the model as it
+    is), or ``"auto"``: ``data`` when set, else the expert on the vault task with the built-in
+    model, else none (a checkpoint given by ``model.path`` starts RL as it is)."""
+    data: str | None = None
+    """A JSONL file of OpenAI-style conversations (``{"messages": [...], "tools": [...]}`` per
+    line, tool calls included) to imitate (docs/own-agent.md)."""
 
 
 @dataclass
@@ -187,6 +230,10 @@ class RunConfig:
 
     seed: int = 0
     run_dir: str = "runs/default"
+    base_dir: str | None = None
+    """The folder a config file's user modules (``env.factory``, the dataset's tools and
+    reward) and relative paths are also looked up in: the config file's folder (set by
+    ``load_config``; kept in a run's saved config.yaml so ``agentrl-fast eval`` finds them)."""
     env: EnvConfig = field(default_factory=_main_job_env)
     model: ModelConfig = field(default_factory=ModelConfig)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -227,6 +274,10 @@ def _check_type(name: str, tp, value):
         if not isinstance(value, tp):
             raise ConfigError(f"{name}: expected {tp.__name__}, got {value!r}")
         return value
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        return dict(value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}: expected a list, got {value!r}")
@@ -287,7 +338,15 @@ def load_config(path: str | Path | None = None, base: RunConfig | None = None) -
         raise ConfigError(f"config file {path} does not exist") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if isinstance(data, dict) and "base_dir" not in data:
+        data = {**data, "base_dir": str(Path(path).resolve().parent)}
     return _build(RunConfig, data, "", config)
+
+
+def search_folders(config: RunConfig) -> list[str]:
+    """Where a config's user modules and relative paths are looked up after ``sys.path`` and the
+    working directory: the config file's folder."""
+    return [config.base_dir] if config.base_dir else []
 
 
 def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
@@ -310,13 +369,55 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
     return _build(RunConfig, merged, "", config) if merged else config
 
 
+ENV_NAMES = ("vault", "dataset")
+WARMSTART_SOURCES = ("auto", "expert", "data", "none")
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def uses_vault(config: RunConfig) -> bool:
+    """Whether the run's environment is the built-in vault task."""
+    return config.env.factory is None and config.env.name == "vault"
+
+
+def warmstart_source(config: RunConfig) -> str:
+    """``warmstart.source`` with ``"auto"`` resolved (see :class:`WarmStartConfig`)."""
+    w = config.warmstart
+    if w.source != "auto":
+        return w.source
+    if w.data:
+        return "data"
+    return "expert" if uses_vault(config) and config.model.path is None else "none"
+
+
+def _validate_env(config: RunConfig) -> None:
+    env = config.env
+    if env.factory is None and env.name not in ENV_NAMES:
+        raise ConfigError(f"env.name: unknown environment {env.name!r} (built in: "
+                          f"{', '.join(ENV_NAMES)}; or give env.factory: 'module:callable')")
+    if uses_vault(config):
+        if env.args:
+            raise ConfigError("env.args: the vault environment takes its settings as env fields "
+                              "(env.min_vaults, ...); env.args is for env.factory and "
+                              "env.name=dataset")
+        if config.eval.tasks > env.eval_size:
+            raise ConfigError(f"eval.tasks ({config.eval.tasks}) exceeds env.eval_size "
+                              f"({env.eval_size})")
+    elif env.name == "dataset" and env.factory is None and "train" not in env.args:
+        raise ConfigError("env.args.train: the dataset environment needs a train task file "
+                          "(JSONL or Parquet)")
+
+
 def validate(config: RunConfig) -> None:
     """Checks that need more than one field (each message names the field)."""
-    if config.env.name != "vault":
-        raise ConfigError(f"env.name: unknown environment {config.env.name!r} (built in: vault)")
-    if config.eval.tasks > config.env.eval_size:
-        raise ConfigError(f"eval.tasks ({config.eval.tasks}) exceeds env.eval_size "
-                          f"({config.env.eval_size})")
+    _validate_env(config)
+    if config.warmstart.source not in WARMSTART_SOURCES:
+        raise ConfigError(f"warmstart.source must be one of {', '.join(WARMSTART_SOURCES)}, "
+                          f"got {config.warmstart.source!r}")
+    if config.warmstart.source == "data" and not config.warmstart.data:
+        raise ConfigError("warmstart.source=data needs warmstart.data (a JSONL of conversations)")
+    if config.model.dtype not in MODEL_DTYPES:
+        raise ConfigError(f"model.dtype must be one of {', '.join(MODEL_DTYPES)}, "
+                          f"got {config.model.dtype!r}")
     if not 0.0 <= config.env.error_penalty <= 1.0:
         raise ConfigError(f"env.error_penalty must be in [0, 1], got {config.env.error_penalty}")
     if config.eval.temperature < 0:
@@ -349,12 +450,16 @@ def validate(config: RunConfig) -> None:
         if w.max_fine_steps is not None and w.max_fine_steps < 1:
             raise ConfigError(f"warmstart.max_fine_steps must be >= 1 (or null), "
                               f"got {w.max_fine_steps}")
-        if config.eval.tasks + w.check_tasks > config.env.eval_size:
+        if uses_vault(config) and config.eval.tasks + w.check_tasks > config.env.eval_size:
             raise ConfigError(f"eval.tasks ({config.eval.tasks}) + warmstart.check_tasks "
                               f"({w.check_tasks}) exceed env.eval_size "
                               f"({config.env.eval_size}): the warm-start's validation tasks "
                               "are held-out tasks the final evaluation does not use")
-    if config.warmstart.steps and not config.warmstart.demos:
+    source = warmstart_source(config)
+    if source == "expert" and not uses_vault(config):
+        raise ConfigError("warmstart.source=expert: the scripted expert plays the vault task "
+                          "only; give your environment's demonstrations as warmstart.data")
+    if source == "expert" and config.warmstart.steps and not config.warmstart.demos:
         raise ConfigError("warmstart.steps > 0 needs warmstart.demos > 0")
     if w.load is not None and not Path(w.load).is_file():
         raise ConfigError(f"warmstart.load: no such file {w.load!r} (a run folder's "

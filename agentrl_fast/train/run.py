@@ -24,42 +24,86 @@ from typing import Callable
 
 import torch
 
-from agentrl_fast.config import ConfigError, RunConfig, to_dict, validate
+from agentrl_fast.config import (ConfigError, RunConfig, search_folders, to_dict, validate,
+                                 warmstart_source)
 from agentrl_fast.harness import ChatFormat, RolloutEngine, rollout_metrics
+from agentrl_fast.harness.trajectory import Trajectory
 from agentrl_fast.generators import Generator, ScriptedGenerator, TorchGenerator
-from agentrl_fast.envs import VaultEnvironment, build_tokenizer, expert_action
-from agentrl_fast.models.fused import use_fused_layers
+from agentrl_fast.envs import build_tokenizer, expert_action
+from agentrl_fast.envs.from_config import make_environment
+from agentrl_fast.models.fused import FAMILIES as FUSED_FAMILIES, use_fused_layers
+from agentrl_fast.models.pretrained import check_vocabulary, load_causal_lm, load_tokenizer
 from agentrl_fast.models.tiny import tiny_qwen3
 from agentrl_fast.train.distributed import World, init_world, shutdown
 from agentrl_fast.train.metrics_log import MetricsLogger
 from agentrl_fast.train.ppo import Trainer
 from agentrl_fast.train.serving import run_generator
+from agentrl_fast.train.demos import load_demonstrations
 from agentrl_fast.train.sft import demonstrations, sft
 
 
 def build(config: RunConfig):
     """``(environment, chat_format, policy)`` of a config; checks that a sub-trace's prompt and
-    one turn fit the context budget."""
+    one turn fit the context budget and the model."""
     validate(config)
-    env_fields = {f.name: getattr(config.env, f.name) for f in dataclasses.fields(config.env)
-                  if f.name != "name"}
-    environment = VaultEnvironment(**env_fields)
-    if config.model.tokenizer:
-        from transformers import AutoTokenizer
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"model.tokenizer: cannot load {config.model.tokenizer!r}: "
-                              f"{error}") from None
-    else:
-        tokenizer = build_tokenizer(environment.corpus(), vocab_size=config.model.vocab_size,
-                                    words=environment.words())
+    environment = make_environment(config)
+    tokenizer, policy = _policy_and_tokenizer(config, environment)
     try:
         chat = ChatFormat(tokenizer)
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"model.tokenizer: {error}") from None
+        field = "model.tokenizer" if config.model.tokenizer else "model.path"
+        raise ConfigError(f"{field}: {error}") from None
+    _check_budget(config, chat, environment, policy)
+    return environment, chat, policy
+
+
+def _policy_and_tokenizer(config: RunConfig, environment):
+    """The tokenizer (``model.tokenizer``, the checkpoint's own, or the built-in one trained on
+    the environment's corpus) and the policy (``model.path``, or the built-in tiny model)."""
+    m = config.model
+    path = _local_or_hub(m.path, config) if m.path else None
+    tokenizer_path = _local_or_hub(m.tokenizer, config) if m.tokenizer else path
+    try:
+        if tokenizer_path:
+            tokenizer = load_tokenizer(tokenizer_path)
+        else:
+            tokenizer = build_tokenizer(getattr(environment, "corpus", list)(),
+                                        vocab_size=m.vocab_size,
+                                        words=getattr(environment, "words", tuple)())
+    except ValueError as error:
+        raise ConfigError(f"{'model.tokenizer' if m.tokenizer else 'model.path'}: {error}") \
+            from None
+    if path is None:
+        policy = tiny_qwen3(len(tokenizer), hidden_size=m.hidden_size, num_layers=m.num_layers,
+                            num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                            head_dim=m.head_dim, seed=config.seed)
+    else:
+        try:
+            policy = load_causal_lm(path, m.dtype)
+            check_vocabulary(policy, tokenizer)
+        except ValueError as error:
+            raise ConfigError(f"model.path: {error}") from None
+    if m.fused_layers and getattr(policy.config, "model_type", None) in FUSED_FAMILIES:
+        use_fused_layers(policy)
+    return tokenizer, policy
+
+
+def _local_or_hub(name: str, config: RunConfig) -> str:
+    """``name`` as a folder from the working directory or the config's folder, else as given
+    (a hub id)."""
+    for folder in ["."] + search_folders(config):
+        candidate = Path(folder) / name
+        if candidate.exists():
+            return str(candidate)
+    return name
+
+
+def _check_budget(config: RunConfig, chat: ChatFormat, environment, policy) -> None:
+    """The longest first prompt of 50 train tasks plus a turn fits ``context_budget``, which
+    fits the model's positions."""
     rollout = config.train.rollout
-    engine = RolloutEngine(ScriptedGenerator(expert_action, chat), chat, environment, rollout)
+    engine = RolloutEngine(ScriptedGenerator(lambda context: "", chat), chat, environment,
+                           rollout)
     longest = max(len(engine.prompt_ids(task)) for task in environment.tasks("train")[:50])
     need = longest + rollout.sampling.max_new_tokens + 2
     if need > rollout.context_budget:
@@ -68,13 +112,10 @@ def build(config: RunConfig):
                           f"train.rollout.sampling.max_new_tokens "
                           f"({rollout.sampling.max_new_tokens}) and the turn's end; use at least "
                           f"{need}")
-    m = config.model
-    policy = tiny_qwen3(len(chat.tokenizer), hidden_size=m.hidden_size, num_layers=m.num_layers,
-                        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                        seed=config.seed)
-    if m.fused_layers:
-        use_fused_layers(policy)
-    return environment, chat, policy
+    positions = getattr(policy.config, "max_position_embeddings", None)
+    if positions is not None and rollout.context_budget > positions:
+        raise ConfigError(f"train.rollout.context_budget ({rollout.context_budget}) exceeds the "
+                          f"model's max_position_embeddings ({positions})")
 
 
 def expert_demonstrations(config: RunConfig, chat: ChatFormat, environment) -> list:
@@ -94,6 +135,21 @@ def expert_demonstrations(config: RunConfig, chat: ChatFormat, environment) -> l
                           f"the train.rollout limits (max_turns={config.train.rollout.max_turns}, "
                           f"context_budget={config.train.rollout.context_budget}); raise them")
     return demos
+
+
+def _demonstrations(config: RunConfig, chat: ChatFormat, environment) -> list:
+    """What the warm-start imitates (``warmstart.source``): the expert's rollouts, the
+    sub-traces of ``warmstart.data``, or nothing."""
+    source = warmstart_source(config)
+    if source == "expert":
+        return expert_demonstrations(config, chat, environment)
+    if source == "none":
+        return []
+    path = _local_or_hub(config.warmstart.data, config)
+    try:
+        return load_demonstrations(path, chat, max_tokens=config.train.rollout.context_budget)
+    except ValueError as error:
+        raise ConfigError(f"warmstart.data: {error}") from None
 
 
 def evaluate(policy, chat: ChatFormat, environment, config: RunConfig, *, seed: int = 0,
@@ -150,7 +206,8 @@ def fine_steps_spent(checks: list[dict], warmstart) -> bool:
 def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: list, *,
                log: Callable[[dict], None] | None = None,
                generator: Generator | None = None) -> tuple[list[float], list[dict]]:
-    """Supervised warm-start of ``policy`` on ``demos`` (:func:`expert_demonstrations`) as
+    """Supervised warm-start of ``policy`` on ``demos`` (:func:`expert_demonstrations`'s
+    trajectories, or sub-traces: :func:`~agentrl_fast.train.demos.load_demonstrations`) as
     ``config.warmstart`` says; returns the loss of each step and the validation checks
     (``{"sft_step", "check_success", "check_reward"}``), each also passed to ``log``. It ends
     after ``warmstart.steps`` steps, or at the check that makes ``warmstart.confirm_checks``
@@ -181,7 +238,8 @@ def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: 
         return (target_confirmed(successes + [result["success"]], w.target_success,
                                  w.confirm_checks) or fine_steps_spent(checks, w))
 
-    losses = sft(policy, [s for d in demos for s in d.sub_traces], steps=w.steps, lr=w.lr,
+    sub_traces = [s for d in demos for s in (d.sub_traces if isinstance(d, Trajectory) else [d])]
+    losses = sft(policy, sub_traces, steps=w.steps, lr=w.lr,
                  weight_decay=w.weight_decay, batch_sequences=w.batch_sequences,
                  seed=config.seed, stop=reached, log=log)
     return losses, checks
@@ -275,7 +333,7 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
         load_warm_start(policy, config.warmstart.load)
         print_fn(f"warm-start: loaded {config.warmstart.load}")
     elif not resuming and config.warmstart.steps:
-        demos = expert_demonstrations(config, chat, environment)
+        demos = _demonstrations(config, chat, environment)
     if world is not None:  # every rank must be at this point before rank 0 writes the folder
         world.barrier()
     outputs = None
@@ -296,7 +354,9 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
                 generator=generator)
             reached = (f", validation success {checks[-1]['check_success']:.2f} at the last "
                        "check" if checks else "")
-            print_fn(f"warm-start: {len(demos)} expert rollouts, {len(losses)} steps, "
+            what = ("expert rollouts" if warmstart_source(config) == "expert"
+                    else f"conversations of {config.warmstart.data}")
+            print_fn(f"warm-start: {len(demos)} {what}, {len(losses)} steps, "
                      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{reached}")
         if main:  # RL can start again from here (warmstart.load)
             torch.save(policy.state_dict(), run_dir / "warmstart.pt")

@@ -1,0 +1,68 @@
+"""The run's environment from its config: the vault task, the dataset tool environment, or a
+user's ``env.factory``; its protocol checked before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from agentrl_fast.config import ConfigError, EnvConfig, RunConfig, search_folders, uses_vault
+from agentrl_fast.config.imports import import_object
+from agentrl_fast.envs.dataset import DatasetToolEnvironment
+from agentrl_fast.envs.vault import VaultEnvironment
+from agentrl_fast.harness.environment import check_environment
+
+# The EnvConfig fields that are the vault task's arguments.
+_VAULT_FIELDS = tuple(f.name for f in dataclasses.fields(EnvConfig)
+                      if f.name not in ("name", "factory", "args"))
+
+
+def make_environment(config: RunConfig):
+    """The environment ``config.env`` describes; a :class:`ConfigError` naming the field when it
+    cannot be built or does not follow the ``Environment`` protocol."""
+    env = config.env
+    if uses_vault(config):
+        return VaultEnvironment(**{name: getattr(env, name) for name in _VAULT_FIELDS})
+    search = search_folders(config)
+    if env.factory is not None:
+        factory = import_object(env.factory, "env.factory", search)
+        if not callable(factory):
+            raise ConfigError(f"env.factory: {env.factory!r} is a {type(factory).__name__}, "
+                              "not a callable")
+        where = f"env.factory ({env.factory})"
+        environment = _call(factory, env.args, where)
+    else:
+        environment = _call(DatasetToolEnvironment, {**env.args, "search": search}, "env.args")
+    try:
+        check_environment(environment)
+    except TypeError as error:
+        raise ConfigError(f"env.factory: {error}") from None
+    _check_splits(environment, config)
+    return environment
+
+
+def _call(factory, args: dict, where: str):
+    try:
+        return factory(**args)
+    except ConfigError:
+        raise
+    except TypeError as error:  # most often an argument the factory does not take
+        raise ConfigError(f"{where}: {error} (env.args: {sorted(args)})") from None
+    except (ValueError, OSError, ImportError) as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def _check_splits(environment, config: RunConfig) -> None:
+    """Both splits have tasks, and the evaluation's fit in the held-out split."""
+    for split in ("train", "eval"):
+        try:
+            tasks = environment.tasks(split)
+        except Exception as error:  # noqa: BLE001 - the user's code: name where it failed
+            raise ConfigError(f"env: {type(environment).__name__}.tasks({split!r}) raised "
+                              f"{type(error).__name__}: {error}") from None
+        if not tasks:
+            raise ConfigError(f"env: {type(environment).__name__}.tasks({split!r}) is empty")
+    held_out = len(environment.tasks("eval"))
+    if config.eval.tasks > held_out:
+        raise ConfigError(f"eval.tasks ({config.eval.tasks}) exceeds the environment's "
+                          f"held-out split ({held_out} tasks); set eval.tasks to at most "
+                          f"{held_out}")
