@@ -326,27 +326,49 @@ def to_yaml(config: RunConfig) -> str:
     return header + yaml.safe_dump(to_dict(config), sort_keys=False)
 
 
+def library_defaults() -> RunConfig:
+    """The base of a run on a user's model or environment: the library's general-purpose
+    defaults (``TrainConfig()``, ``EnvConfig()``) instead of the vault-tuned main job's."""
+    return RunConfig(env=EnvConfig(), train=TrainConfig())
+
+
+def names_own_agent(data: dict) -> bool:
+    """Whether config ``data`` (a YAML mapping) names a model or environment of its own
+    (``model.path``, ``env.factory``, or an ``env.name`` other than the vault task)."""
+    model, env = data.get("model") or {}, data.get("env") or {}
+    if not isinstance(model, dict) or not isinstance(env, dict):
+        return False
+    return bool(model.get("path") or env.get("factory") or env.get("name", "vault") != "vault")
+
+
 def load_config(path: str | Path | None = None, base: RunConfig | None = None) -> RunConfig:
-    """``base`` (default ``RunConfig()``, the main job) with the YAML file at ``path`` applied."""
+    """``base`` with the YAML file at ``path`` applied. The default base is the main job
+    (``RunConfig()``), or :func:`library_defaults` when the file names its own model or
+    environment (:func:`names_own_agent`): the main job's values are tuned for the vault task."""
     import yaml
-    config = base if base is not None else RunConfig()
     if path is None:
-        return config
+        return base if base is not None else RunConfig()
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if base is not None:
+        config = base
+    else:
+        config = library_defaults() if isinstance(data, dict) and names_own_agent(data) \
+            else RunConfig()
     if isinstance(data, dict) and "base_dir" not in data:
         data = {**data, "base_dir": str(Path(path).resolve().parent)}
     return _build(RunConfig, data, "", config)
 
 
 def search_folders(config: RunConfig) -> list[str]:
-    """Where a config's user modules and relative paths are looked up after ``sys.path`` and the
-    working directory: the config file's folder."""
-    return [config.base_dir] if config.base_dir else []
+    """Where a config's user modules and relative paths are looked up (modules after
+    ``sys.path``): the working directory, then the config file's folder."""
+    import os
+    return [os.getcwd()] + ([config.base_dir] if config.base_dir else [])
 
 
 def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:

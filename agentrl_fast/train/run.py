@@ -91,7 +91,7 @@ def _policy_and_tokenizer(config: RunConfig, environment):
 def _local_or_hub(name: str, config: RunConfig) -> str:
     """``name`` as a folder from the working directory or the config's folder, else as given
     (a hub id)."""
-    for folder in ["."] + search_folders(config):
+    for folder in search_folders(config):
         candidate = Path(folder) / name
         if candidate.exists():
             return str(candidate)
