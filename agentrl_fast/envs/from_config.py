@@ -9,7 +9,8 @@ from agentrl_fast.config import ConfigError, EnvConfig, RunConfig, search_folder
 from agentrl_fast.config.imports import import_object
 from agentrl_fast.envs.dataset import DatasetToolEnvironment
 from agentrl_fast.envs.vault import VaultEnvironment
-from agentrl_fast.harness.environment import check_environment
+from agentrl_fast.harness.environment import check_environment, check_episode
+from agentrl_fast.harness.memory import MemoryStore
 
 # The EnvConfig fields that are the vault task's arguments.
 _VAULT_FIELDS = tuple(f.name for f in dataclasses.fields(EnvConfig)
@@ -32,12 +33,30 @@ def make_environment(config: RunConfig):
         environment = _call(factory, env.args, where)
     else:
         environment = _call(DatasetToolEnvironment, {**env.args, "search": search}, "env.args")
+    field = "env.factory" if env.factory is not None else "env.args"
     try:
         check_environment(environment)
     except TypeError as error:
-        raise ConfigError(f"env.factory: {error}") from None
+        raise ConfigError(f"{field}: {error}") from None
     _check_splits(environment, config)
+    _check_first_episode(environment, field)
     return environment
+
+
+def _check_first_episode(environment, field: str) -> None:
+    """Start an episode of the first train task (on a throwaway memory) and check it follows the
+    ``Episode`` protocol, so a missing member stops the run before any model is loaded."""
+    task = environment.tasks("train")[0]
+    with MemoryStore() as store:
+        try:
+            episode = environment.start(task, store.namespace("check"), seed=0)
+        except Exception as error:  # noqa: BLE001 - the user's code: say where it failed
+            raise ConfigError(f"{field}: {type(environment).__name__}.start({task.id!r}) raised "
+                              f"{type(error).__name__}: {error}") from None
+        try:
+            check_episode(episode, environment)
+        except TypeError as error:
+            raise ConfigError(f"{field}: {error}") from None
 
 
 def _call(factory, args: dict, where: str):

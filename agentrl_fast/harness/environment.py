@@ -33,9 +33,18 @@ class Task:
 
 @runtime_checkable
 class Episode(Protocol):
+    """One rollout's view of a task: what the model is told, the tools it may call, and how
+    its turns and final answer are scored. Any object with these members works (no base class);
+    docs/own-agent.md writes one from scratch."""
+
     system_prompt: str
+    """The system message (before the tools header); ``""`` for none."""
     prompt: str
+    """The user message that states the task; a compaction restart repeats it."""
     tools: Sequence[Tool]
+    """The tools this episode offers (``@tool`` functions; memory tools bound to the rollout's
+    namespace among them): their schemas form the tools header, calls run through a
+    ``ToolRegistry`` that turns every failure into an error the model reads."""
 
     def after_tools(self, calls: Sequence[ToolCall], results: Sequence[ToolResult]) -> float:
         """Reward for a turn that called tools (usually 0)."""
@@ -51,13 +60,19 @@ class Episode(Protocol):
 
 @runtime_checkable
 class Environment(Protocol):
+    """Tasks, and episodes of them. ``agentrl-fast train`` builds one from ``env.factory`` (any
+    callable, given ``env.args``) and checks these members, and an episode's, before it runs."""
+
     name: str
+    """A short name for logs."""
 
     def tasks(self, split: str) -> Sequence[Task]:
         """The tasks of a split (``"train"`` or ``"eval"``; ``"eval"`` is held out)."""
 
     def start(self, task: Task, memory: MemoryNamespace, seed: int) -> Episode:
-        """A fresh episode of ``task``; ``memory`` is the rollout's namespace."""
+        """A fresh episode of ``task``; ``memory`` is the rollout's namespace (its
+        ``tools()`` are the memory tools), ``seed`` derived from the run's seed and the rollout
+        (for an environment with randomness of its own)."""
 
 
 # Each protocol's members (True: a method) checked where the engine first needs them, so a
