@@ -313,12 +313,6 @@ def test_a_start_that_raises_names_the_class_and_the_task(folder, cwd):
                               "KeyError"), message
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "agentrl_fast/envs/from_config.py _check_first_episode calls environment.start(task, memory, "
-    "seed=0) by keyword while the rollout engine (harness/rollout.py:355) calls start(task, "
-    "memory, episode_seed) positionally: an environment whose start names its third parameter "
-    "otherwise (rng_seed) runs fine but is refused with 'start(...) raised TypeError: got an "
-    "unexpected keyword argument seed'; the check should call start as the engine does"))
 def test_the_first_episode_is_started_as_the_engine_starts_episodes(folder, cwd):
     environment = make_environment(own_env_config(folder, "rc_env:OwnSeedNameEnvironment"))
     assert environment.name == "capitals"
@@ -599,14 +593,6 @@ def test_a_good_file_gives_the_assistant_outputs_and_their_stop_tokens(folder, c
     assert [s.action_mask for s in direct] == [s.action_mask for s in sub_traces]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "WarmStartConfig says the warm-start's validation tasks (the last warmstart.check_tasks "
-    "held-out tasks, run.py:222) are 'never among the eval.tasks of the final evaluation', but "
-    "validate() enforces eval.tasks + warmstart.check_tasks <= held-out only for the vault task "
-    "(config/__init__.py:475) and make_environment's _check_splits checks eval.tasks alone: on "
-    "env.factory with 2 held-out tasks, eval.tasks=2 and warmstart.data (target_success 0.6, "
-    "check_tasks 50) the run builds, and the warm-start stops on the very tasks the final "
-    "evaluation reports as held out; it should be a ConfigError naming warmstart.check_tasks"))
 def test_the_warm_starts_validation_tasks_stay_out_of_the_final_evaluation(
         folder, cwd, small_checkpoint):
     (folder / "demos.jsonl").write_text(json.dumps(CAPITAL_CONVERSATION) + "\n")
@@ -664,3 +650,13 @@ def test_agentrl_fast_config_with_set_model_path_prints_the_library_defaults(cap
     assert printed["env"]["min_vaults"] == EnvConfig().min_vaults
     assert main(["config"]) == 0  # the main job
     assert yaml.safe_load(capsys.readouterr().out)["train"]["rollout"]["context_budget"] == 200
+
+
+def test_set_model_path_over_a_vault_yaml_also_starts_from_the_library_defaults(tmp_path, capsys):
+    """--set naming one's own model picks the same base with or without a --config file."""
+    from agentrl_fast.cli import main
+    path = write_yaml(tmp_path, {"env": {"jam_probability": 0.5}})
+    assert main(["config", "--config", str(path), "--set", "model.path=x"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["rollout"]["context_budget"] == LIBRARY_BUDGET
+    assert printed["env"]["jam_probability"] == 0.5

@@ -483,7 +483,8 @@ def validate(config: RunConfig) -> None:
                           "only; give your environment's demonstrations as warmstart.data")
     if source == "expert" and config.warmstart.steps and not config.warmstart.demos:
         raise ConfigError("warmstart.steps > 0 needs warmstart.demos > 0")
-    if w.load is not None and not Path(w.load).is_file():
+    if w.load is not None and not any((Path(folder) / w.load).is_file()
+                                      for folder in search_folders(config)):
         raise ConfigError(f"warmstart.load: no such file {w.load!r} (a run folder's "
                           "warmstart.pt)")
     if config.model.num_heads % config.model.num_kv_heads:

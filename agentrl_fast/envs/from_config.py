@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from agentrl_fast.config import ConfigError, EnvConfig, RunConfig, search_folders, uses_vault
+from agentrl_fast.config import (ConfigError, EnvConfig, RunConfig, search_folders, uses_vault,
+                                 warmstart_source)
 from agentrl_fast.config.imports import import_object
 from agentrl_fast.envs.dataset import DatasetToolEnvironment
 from agentrl_fast.envs.vault import VaultEnvironment
@@ -49,7 +50,7 @@ def _check_first_episode(environment, field: str) -> None:
     task = environment.tasks("train")[0]
     with MemoryStore() as store:
         try:
-            episode = environment.start(task, store.namespace("check"), seed=0)
+            episode = environment.start(task, store.namespace("check"), 0)  # as the engine does
         except Exception as error:  # noqa: BLE001 - the user's code: say where it failed
             raise ConfigError(f"{field}: {type(environment).__name__}.start({task.id!r}) raised "
                               f"{type(error).__name__}: {error}") from None
@@ -85,3 +86,13 @@ def _check_splits(environment, config: RunConfig) -> None:
         raise ConfigError(f"eval.tasks ({config.eval.tasks}) exceeds the environment's "
                           f"held-out split ({held_out} tasks); set eval.tasks to at most "
                           f"{held_out}")
+    w = config.warmstart
+    checks = (w.target_success is not None and w.steps > 0 and w.load is None
+              and warmstart_source(config) != "none")
+    if checks and config.eval.tasks + w.check_tasks > held_out:
+        raise ConfigError(f"warmstart.check_tasks ({w.check_tasks}) + eval.tasks "
+                          f"({config.eval.tasks}) exceed the environment's held-out split "
+                          f"({held_out} tasks): the warm-start's validation tasks (the last "
+                          "check_tasks held-out tasks) must stay out of the final evaluation; "
+                          "lower them, or set warmstart.target_success: null (a fixed number "
+                          "of warm-start steps, no checks)")

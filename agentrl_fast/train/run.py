@@ -330,7 +330,7 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
     resuming = any((run_dir / "checkpoints").glob("step-*"))
     demos = []
     if not resuming and config.warmstart.load is not None:  # before the run folder is written
-        load_warm_start(policy, config.warmstart.load)
+        load_warm_start(policy, _local_or_hub(config.warmstart.load, config))
         print_fn(f"warm-start: loaded {config.warmstart.load}")
     elif not resuming and config.warmstart.steps:
         demos = _demonstrations(config, chat, environment)
