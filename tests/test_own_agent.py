@@ -79,7 +79,7 @@ def test_the_dataset_environment_after_a_warm_start_from_demonstrations(folder):
     demos = subprocess.run([sys.executable, "make_demos.py"], cwd=folder, capture_output=True,
                            text=True, timeout=120)
     assert demos.returncode == 0, demos.stderr[-3000:]
-    assert demos.stdout.strip() == "64 demos"
+    assert demos.stdout.strip() == "8 demos"
     result = agentrl_fast(folder, "train", "--config", "calculator.yaml", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     run = folder / "runs" / "calculator"
@@ -88,4 +88,4 @@ def test_the_dataset_environment_after_a_warm_start_from_demonstrations(folder):
     # Greedy after the warm-start, the model's own tokens parse as calls the tools answer.
     warm, *_ = rows(run, "eval")
     assert warm["tool_calls"] > 0 and warm["tool_error_rate"] < 1.0
-    assert [r["step"] for r in rows(run, "train")] == [1, 2]
+    assert [r["step"] for r in rows(run, "train")] == [1]
