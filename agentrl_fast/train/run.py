@@ -1,6 +1,8 @@
-"""One training run from a :class:`~agentrl_fast.config.RunConfig`: build the environment,
-tokenizer and tiny policy, warm-start on expert demonstrations, train with PPO or GRPO, evaluate
-on the held-out split, and leave a run folder behind:
+"""One training run from a :class:`~agentrl_fast.config.RunConfig`: build the environment (the
+vault task, the dataset tool environment or ``env.factory``'s), the tokenizer and the policy
+(``model.path``'s checkpoint, or the built-in tiny model), warm-start on demonstrations (the
+vault expert's, or ``warmstart.data``'s), train with PPO or GRPO, evaluate on the held-out
+split, and leave a run folder behind:
 
 ``config.yaml``, ``metrics.jsonl`` (one JSON line per step, plus warm-start and eval lines),
 TensorBoard events (``tb/``), ``curves.png`` (reward and success), ``summary.txt``,
