@@ -26,13 +26,12 @@ BENCHMARKS = ("gae", "varlen_attention", "token_logprobs", "ppo_loss", "fused_la
 
 
 def _train_config(args):
-    from agentrl_fast.config import apply_overrides, library_defaults, load_config
+    from agentrl_fast.config import (apply_overrides, library_defaults, load_config,
+                                     names_own_agent, overrides_to_dict)
     overrides = list(args.set or [])
     # --set naming a model or environment of one's own starts from the library's defaults, as
     # a file naming them does (load_config).
-    own = any(item.split("=", 1)[0].strip() in ("model.path", "env.factory")
-              or (item.split("=", 1)[0].strip() == "env.name" and item.split("=", 1)[-1] != "vault")
-              for item in overrides)
+    own = names_own_agent(overrides_to_dict(overrides))
     config = load_config(args.config, base=library_defaults() if own else None)
     for flag, key in (("algo", "train.algo"), ("steps", "train.steps"), ("seed", "seed"),
                       ("run_dir", "run_dir")):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from agentrl_fast.harness import SPECIAL_TOKENS, ChatFormat, render_messages
 from agentrl_fast.envs import build_tokenizer
+from agentrl_fast.harness.chat_format import render_pieces
 
 ADD_TOOL = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
@@ -236,8 +237,12 @@ def test_token_rendering_decodes_to_render_messages(builtin_tokenizer, which, st
     messages, tools = CONVERSATIONS[case]
     for add_generation_prompt in (False, True):
         ids, mask = chat.encode_messages(messages, tools, add_generation_prompt)
-        assert chat.decode(ids) == render_messages(messages, tools, add_generation_prompt)
-        assert chat.render_ids(messages, tools, add_generation_prompt) == ids
+        rendered = chat.render_ids(messages, tools, add_generation_prompt)
+        assert chat.decode(rendered) == render_messages(messages, tools, add_generation_prompt)
+        # Demonstrations are the conversation as a rollout builds it: every assistant turn
+        # opens with the generation prompt, no think block the template would add.
+        assert chat.decode(ids) == "".join(text for _, text in render_pieces(
+            messages, tools, add_generation_prompt, as_generated=True))
         assert len(mask) == len(ids)
     # The action mask covers exactly the assistant outputs and the stop token the model samples.
     sampled = chat.decode([t for t, m in zip(ids, mask) if m])
@@ -246,7 +251,10 @@ def test_token_rendering_decodes_to_render_messages(builtin_tokenizer, which, st
         if m["role"] != "assistant":
             continue
         text = render_messages([m])[len("<|im_start|>assistant\n"):-len("<|im_end|>\n")]
-        text = text.split("</think>\n\n")[-1]
+        if "</think>" in m["content"]:  # a reasoning the model wrote: sampled with the answer
+            reasoning, _, answer = m["content"].partition("</think>")
+            text = (f"<think>\n{reasoning.split('<think>')[-1].strip(chr(10))}\n</think>\n\n"
+                    + answer.lstrip("\n"))
         ends_with_call = text.endswith("</tool_call>")
         expected += text + ("" if ends_with_call and stop_mode == "tool_call" else "<|im_end|>")
     assert sampled == expected
@@ -317,10 +325,10 @@ def test_chat_format_checks_the_tokenizer(builtin_tokenizer):
                                          r"'<\|im_end\|>', '<tool_call>'.*resize_token_embeddings"):
         ChatFormat(bare)
     bare.add_tokens(["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"])
-    with pytest.raises(ValueError, match=r"chat tokens \['<tool_response>', '</tool_response>'\]"):
+    with pytest.raises(ValueError, match=r"chat tokens \[.<tool_response>., .</tool_response>.\].*add_tokens"):
         ChatFormat(bare)
     # What the message says to do makes it a chat tokenizer.
-    bare.add_special_tokens({"additional_special_tokens": ["<tool_response>", "</tool_response>"]})
+    bare.add_tokens(["<tool_response>", "</tool_response>"])
     assert ChatFormat(bare).token_ids["</tool_response>"] == len(bare) - 1
     with pytest.raises(ValueError, match="stop_mode must be one of"):
         ChatFormat(builtin_tokenizer, stop_mode="eos")
@@ -367,7 +375,7 @@ def test_token_bytes_join_to_the_texts_utf8(builtin_tokenizer, which, text):
     byte-level alphabet is transformers' own."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from agentrl_fast.harness.chat_format import _BYTE_OF_CHAR
+    from agentrl_fast.harness.chat_format import render_pieces, _BYTE_OF_CHAR
     assert _BYTE_OF_CHAR == {char: byte for byte, char in bytes_to_unicode().items()}
     chat = ChatFormat(builtin_tokenizer if which == "builtin" else plain_byte_tokenizer())
     text += "<tool_call><|im_end|>"

@@ -77,17 +77,22 @@ def test_user_turns_and_compaction_restarts(chat, qwen3_tokenizer, content):
                                                                     [CALCULATOR])
 
 
-def test_demonstrations_equal_the_rendered_conversation(chat, qwen3_tokenizer):
-    """Whole conversations with assistant turns (tool calls and a final answer): ids as the
-    tokenizer gives them, the mask on the outputs and their stop tokens."""
+def test_demonstrations_are_the_conversation_as_a_rollout_builds_it(chat, qwen3_tokenizer):
+    """Whole conversations with assistant turns (tool calls and a final answer): the ids a
+    rollout builds turn by turn (the final answer after the plain generation prompt, not the
+    template's think block), the mask on the outputs and their stop tokens."""
     messages = [{"role": "system", "content": "Solve it."}, {"role": "user", "content": "2+3?"},
-                CALL, {"role": "tool", "content": "5\n"},
-                {"role": "assistant", "content": "The answer is 5."}]
-    ids, mask = chat.encode_messages(messages, [CALCULATOR])
-    assert ids == reference(qwen3_tokenizer, messages, [CALCULATOR], generation=False)
-    trained = qwen3_tokenizer.decode([i for i, m in zip(ids, mask) if m])
-    assert trained == ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}'
-                       '\n</tool_call>The answer is 5.<|im_end|>')
+                CALL, {"role": "tool", "content": "5\n"}]
+    ids, mask = chat.encode_messages(messages + [{"role": "assistant",
+                                                  "content": "The answer is 5."}], [CALCULATOR])
+    prompt = reference(qwen3_tokenizer, messages[:2], [CALCULATOR])
+    call = chat.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}'
+                       '\n</tool_call>')
+    answer = chat.encode("The answer is 5.") + [chat.im_end_id]
+    built = (prompt + call + chat.turn_end_ids(call) + chat.tool_results_ids(["5\n"])
+             + chat.generation_prompt_ids() + answer + chat.turn_end_ids(answer))
+    assert ids == built
+    assert [i for i, m in zip(ids, mask) if m] == call + answer
 
 
 @settings(max_examples=60, deadline=None)

@@ -660,3 +660,47 @@ def test_set_model_path_over_a_vault_yaml_also_starts_from_the_library_defaults(
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["train"]["rollout"]["context_budget"] == LIBRARY_BUDGET
     assert printed["env"]["jam_probability"] == 0.5
+
+
+def test_set_env_args_key_refines_the_mapping():
+    config = apply_overrides(RunConfig(), ["env.name=dataset", "env.args.train=t.jsonl",
+                                           "env.args.tools=tools"])
+    config = apply_overrides(config, ["env.args.eval=e.jsonl"])
+    assert config.env.args == {"train": "t.jsonl", "tools": "tools", "eval": "e.jsonl"}
+
+
+def test_relative_paths_are_saved_absolute_so_eval_finds_them_from_anywhere(folder, cwd):
+    from agentrl_fast.train.run import resolve_paths
+    (folder / "demos.jsonl").write_text(json.dumps(CALCULATOR_CONVERSATION) + "\n")
+    (folder / "ckpt").mkdir()
+    config = load_config(write_yaml(folder, {"model": {"path": "ckpt"},
+                                             "env": {"factory": "rc_env:CapitalEnvironment"},
+                                             "warmstart": {"data": "demos.jsonl"}}))
+    resolved = resolve_paths(config)
+    assert resolved.model.path == str((folder / "ckpt").resolve())
+    assert resolved.warmstart.data == str((folder / "demos.jsonl").resolve())
+    hub = resolve_paths(apply_overrides(config, ["model.path=Qwen/Qwen3-0.6B"]))
+    assert hub.model.path == "Qwen/Qwen3-0.6B"  # found nowhere: a hub id, as given
+
+
+def test_warmstart_data_missing_or_unused_is_an_error(folder, cwd):
+    base = own_env_config(folder)
+    message = error_of(validate, apply_overrides(base, ["warmstart.data=nope.jsonl"]))
+    assert message.startswith("warmstart.data: no such file 'nope.jsonl' (looked in"), message
+    (folder / "demos.jsonl").write_text(json.dumps(CALCULATOR_CONVERSATION) + "\n")
+    unused = apply_overrides(base, ["warmstart.data=demos.jsonl", "warmstart.source=none"])
+    assert "warmstart.data is set but not used" in error_of(validate, unused)
+
+
+def test_a_demonstration_turn_with_two_calls_names_the_line(tmp_path):
+    from agentrl_fast.envs import build_tokenizer
+    from agentrl_fast.harness import ChatFormat
+    tokenizer = build_tokenizer(vocab_size=400)
+    call = {"type": "function", "function": {"name": "calculator", "arguments": "{}"}}
+    record = {"messages": [{"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "", "tool_calls": [call, call]}]}
+    path = tmp_path / "demos.jsonl"
+    path.write_text(json.dumps(CALCULATOR_CONVERSATION) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=rf"{path}:2: messages\[1\] makes 2 calls in one turn"):
+        load_demonstrations(path, ChatFormat(tokenizer))
+    assert len(load_demonstrations(path, ChatFormat(tokenizer, stop_mode="im_end"))) == 2

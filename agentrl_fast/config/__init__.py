@@ -40,7 +40,7 @@ class EnvConfig:
     factory: str | None = None
     """``"package.module:callable"`` returning an ``Environment`` (name, tasks(split),
     start(task, memory, seed)), called with ``args`` as keyword arguments; the module is looked
-    up on ``sys.path``, then in the config file's folder and the working directory."""
+    up on ``sys.path``, then in the working directory and the config file's folder."""
     args: dict = field(default_factory=dict)
     """Keyword arguments of ``factory``, or of ``DatasetToolEnvironment`` for
     ``name: dataset`` (relative file paths: the working directory, then the config's folder)."""
@@ -87,8 +87,8 @@ class ModelConfig:
     vocab_size: int = 1024
     """Built-in tokenizer: most ids it learns from the environment's corpus."""
     fused_layers: bool = True
-    """RMSNorm and SwiGLU on agentrl_fast's fused ops (Llama-family models; ignored, with a
-    note, for others)."""
+    """RMSNorm and SwiGLU on agentrl_fast's fused ops (Llama-family models: qwen3, qwen2, llama;
+    other families keep their own layers)."""
 
 
 @dataclass
@@ -305,6 +305,8 @@ def _build(cls, data: dict, prefix: str, base=None):
             values[key] = _build(tp, value, f"{name}.", current)
         else:
             values[key] = _check_type(name, tp, value)
+            if isinstance(values[key], dict) and isinstance(current, dict):
+                values[key] = {**current, **values[key]}  # env.args.x=... refines env.args
     try:
         if base is not None:
             return dataclasses.replace(base, **values)
@@ -376,6 +378,12 @@ def search_folders(config: RunConfig) -> list[str]:
 def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply ``section.field=value`` strings (``train.rollout.context_budget=256``), all at
     once (checks across fields see every override; a later value of a field wins)."""
+    merged = overrides_to_dict(overrides)
+    return _build(RunConfig, merged, "", config) if merged else config
+
+
+def overrides_to_dict(overrides: list[str]) -> dict:
+    """``section.field=value`` strings as the nested mapping a YAML file would give."""
     import yaml
     merged: dict = {}
     for item in overrides:
@@ -390,7 +398,7 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
                 target[part] = {}  # an earlier override set the whole section: this refines it
             target = target.setdefault(part, {})
         target[name] = yaml.safe_load(raw) if raw else ""
-    return _build(RunConfig, merged, "", config) if merged else config
+    return merged
 
 
 ENV_NAMES = ("vault", "dataset")
@@ -439,6 +447,15 @@ def validate(config: RunConfig) -> None:
                           f"got {config.warmstart.source!r}")
     if config.warmstart.source == "data" and not config.warmstart.data:
         raise ConfigError("warmstart.source=data needs warmstart.data (a JSONL of conversations)")
+    if config.warmstart.data:
+        if warmstart_source(config) != "data" or not config.warmstart.steps:
+            raise ConfigError(f"warmstart.data is set but not used (warmstart.source="
+                              f"{config.warmstart.source}, warmstart.steps="
+                              f"{config.warmstart.steps}); use source data (or auto) and steps > 0")
+        if not any((Path(folder) / config.warmstart.data).expanduser().is_file()
+                   for folder in search_folders(config)):
+            raise ConfigError(f"warmstart.data: no such file {config.warmstart.data!r} (looked "
+                              f"in {', '.join(search_folders(config))})")
     if config.model.dtype not in MODEL_DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(MODEL_DTYPES)}, "
                           f"got {config.model.dtype!r}")

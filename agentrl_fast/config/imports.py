@@ -1,8 +1,8 @@
 """``"package.module:attribute"`` strings in a config resolved to Python objects (standard library
 only): an environment factory, a module of tools, a reward function.
 
-A module is looked up on ``sys.path`` and then in ``search`` folders (the config file's folder
-and the working directory: a console script's ``sys.path`` holds neither), so a user's
+A module is looked up on ``sys.path`` and then in ``search`` folders (the working directory and
+the config file's folder: a console script's ``sys.path`` holds neither), so a user's
 ``my_env.py`` beside ``my.yaml`` is found from wherever ``agentrl-fast`` runs.
 """
 

@@ -33,6 +33,9 @@ def make_environment(config: RunConfig):
         where = f"env.factory ({env.factory})"
         environment = _call(factory, env.args, where)
     else:
+        if "search" in env.args:
+            raise ConfigError("env.args.search: set by the run (the working directory and the "
+                              "config's folder); leave it out")
         environment = _call(DatasetToolEnvironment, {**env.args, "search": search}, "env.args")
     field = "env.factory" if env.factory is not None else "env.args"
     try:
@@ -67,8 +70,10 @@ def _call(factory, args: dict, where: str):
         raise
     except TypeError as error:  # most often an argument the factory does not take
         raise ConfigError(f"{where}: {error} (env.args: {sorted(args)})") from None
-    except (ValueError, OSError, ImportError) as error:
+    except (ValueError, OSError, ImportError) as error:  # bad arguments: the message says it
         raise ConfigError(f"{where}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - the user's code: say where it failed
+        raise ConfigError(f"{where}: {type(error).__name__}: {error}") from None
 
 
 def _check_splits(environment, config: RunConfig) -> None:

@@ -138,11 +138,13 @@ def _tool_call_text(name: str, arguments: Any) -> str:
 
 
 def render_pieces(messages: Sequence[Mapping], tools: Iterable[Mapping] | None = None,
-                  add_generation_prompt: bool = False,
-                  enable_thinking: bool | None = None) -> list[tuple[str, str]]:
+                  add_generation_prompt: bool = False, enable_thinking: bool | None = None, *,
+                  as_generated: bool = False) -> list[tuple[str, str]]:
     """:func:`render_messages` as ``(kind, text)`` pieces, kind one of ``"template"``,
     ``"content"`` (system/user/tool text) and ``"output"`` (an assistant's content and calls).
-    Joined, the texts are the rendered conversation; :class:`ChatFormat` tokenizes each alone."""
+    Joined, the texts are the rendered conversation. ``as_generated``: each assistant turn as
+    a rollout builds it instead of the template's think-block rule — the generation prompt
+    (``enable_thinking``'s), then the output, a given reasoning as the output's think block."""
     msgs = _normalize(messages)
     tools = list(tools) if tools else []
     pieces: list[tuple[str, str]] = []
@@ -174,9 +176,15 @@ def render_pieces(messages: Sequence[Mapping], tools: Iterable[Mapping] | None =
                 content = m.content.split(THINK_CLOSE)[-1].lstrip("\n")
                 reasoning = m.content.split(THINK_CLOSE)[0].rstrip("\n").split(THINK_OPEN)[-1]
                 reasoning = reasoning.lstrip("\n")
-            add((TEMPLATE, f"{IM_START}assistant\n"))
             output = content
-            if index > last_query and (is_last or reasoning):
+            if as_generated:
+                add((TEMPLATE, generation_prompt(enable_thinking)))
+                if reasoning and enable_thinking is not False:
+                    output = (f"{THINK_OPEN}\n{reasoning.strip(chr(10))}\n{THINK_CLOSE}\n\n"
+                              + content.lstrip("\n"))
+            else:
+                add((TEMPLATE, f"{IM_START}assistant\n"))
+            if not as_generated and index > last_query and (is_last or reasoning):
                 add((TEMPLATE, f"{THINK_OPEN}\n{reasoning.strip(chr(10))}\n{THINK_CLOSE}\n\n"))
                 output = content.lstrip("\n")
             for j, (name, arguments) in enumerate(m.tool_calls):
@@ -242,10 +250,16 @@ def chat_token_ids(tokenizer) -> dict[str, int]:
     ids = {token: tokenizer.encode(token, add_special_tokens=False) for token in SPECIAL_TOKENS}
     missing = [token for token, token_ids in ids.items() if len(token_ids) != 1]
     if missing:
+        # As in Qwen3's tokenizer: the turn markers special, the tags plain added tokens (a
+        # server that skips special tokens in its text would otherwise drop the tags).
+        special = [t for t in missing if t in (IM_START, IM_END)]
+        tags = [t for t in missing if t not in special]
+        how = " and ".join(
+            ([f"tokenizer.add_special_tokens({{'additional_special_tokens': {special!r}}})"]
+             if special else []) + ([f"tokenizer.add_tokens({tags!r})"] if tags else []))
         raise ValueError(
             f"the tokenizer lacks Qwen3's chat tokens {missing} (each must encode to one id; "
-            f"they encode to {[len(ids[t]) for t in missing]} ids). Add them with "
-            f"tokenizer.add_special_tokens({{'additional_special_tokens': {missing!r}}}) and "
+            f"they encode to {[len(ids[t]) for t in missing]} ids). Add them with {how}, and "
             "grow the model's embeddings to match (model.resize_token_embeddings(len(tokenizer)); "
             "the new rows are untrained, so fine-tune on the chat format before RL), then save "
             "both with save_pretrained")
@@ -331,16 +345,22 @@ class ChatFormat:
 
     def encode_messages(self, messages: Sequence[Mapping], tools: Iterable[Mapping] | None = None,
                         add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
-        """``(ids, action_mask)`` of the rendered conversation: the text between assistant
-        outputs tokenized as a whole (runs split at special tokens), each output alone; the
+        """``(ids, action_mask)`` of the conversation as a rollout builds it, for supervised
+        warm-start data: each assistant turn opens with the generation prompt (not the
+        template's think-block rule: a rollout never writes one), the text between assistant
+        outputs is tokenized as a whole (runs split at special tokens), each output alone; the
         mask is 1 on assistant output and on the stop token that ends it (``</tool_call>`` in
         ``"tool_call"`` mode when the output ends with a call, else ``<|im_end|>``) — the tokens
-        a policy samples, for supervised warm-start data."""
+        a policy samples."""
+        pieces = render_pieces(messages, tools, add_generation_prompt, self.enable_thinking,
+                               as_generated=True)
+        return self._encode_pieces(pieces)
+
+    def _encode_pieces(self, pieces: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
         ids: list[int] = []
         mask: list[int] = []
         pending: list[str] = []  # template and content text since the last output
         samples_im_end = False  # the text after the last output opens with a sampled <|im_end|>
-        pieces = render_pieces(messages, tools, add_generation_prompt, self.enable_thinking)
         for kind, text in pieces + [(OUTPUT, None)]:
             if kind != OUTPUT:
                 pending.append(text)
@@ -363,8 +383,10 @@ class ChatFormat:
 
     def render_ids(self, messages: Sequence[Mapping], tools: Iterable[Mapping] | None = None,
                    add_generation_prompt: bool = False) -> list[int]:
-        """The ids of ``render_messages(messages, tools, add_generation_prompt)``."""
-        return self.encode_messages(messages, tools, add_generation_prompt)[0]
+        """The ids of ``render_messages(messages, tools, add_generation_prompt)`` (the
+        template's own think-block rule; outputs tokenized alone)."""
+        pieces = render_pieces(messages, tools, add_generation_prompt, self.enable_thinking)
+        return self._encode_pieces(pieces)[0]
 
     def generation_prompt_ids(self) -> list[int]:
         return self._template(generation_prompt(self.enable_thinking))

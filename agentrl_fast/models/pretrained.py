@@ -15,7 +15,7 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as error:
         raise ValueError(f"cannot load a tokenizer from {path!r}: "
-                         f"{str(error).splitlines()[0]}") from None
+                         f"{_first_line(error)}") from None
 
 
 def load_causal_lm(path: str, dtype: str = "float32") -> torch.nn.Module:
@@ -29,7 +29,7 @@ def load_causal_lm(path: str, dtype: str = "float32") -> torch.nn.Module:
             path, dtype="auto" if dtype == "auto" else DTYPES[dtype])
     except (OSError, ValueError, TypeError) as error:
         raise ValueError(f"cannot load a causal LM from {path!r}: "
-                         f"{str(error).splitlines()[0]}") from None
+                         f"{_first_line(error)}") from None
     return model
 
 
@@ -41,3 +41,7 @@ def check_vocabulary(model: torch.nn.Module, tokenizer) -> None:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's embeddings "
                          f"only {rows} rows: grow them with "
                          "model.resize_token_embeddings(len(tokenizer)) and save the model again")
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0]

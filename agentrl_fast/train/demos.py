@@ -63,6 +63,12 @@ def _conversation(line: str, where: str) -> dict:
 
 def _sub_trace(record: dict, chat_format: ChatFormat, where: str, index: int) -> SubTrace:
     """The conversation's ids, its assistant output and stop tokens as action tokens."""
+    if chat_format.stop_mode == "tool_call":  # a model stops at its first </tool_call>
+        for i, message in enumerate(record["messages"]):
+            if isinstance(message, dict) and len(message.get("tool_calls") or []) > 1:
+                raise ValueError(f"{where}: messages[{i}] makes {len(message['tool_calls'])} "
+                                 "calls in one turn, but the model stops at its first "
+                                 "</tool_call> (stop_mode 'tool_call'): split them into turns")
     try:
         ids, mask = chat_format.encode_messages(record["messages"], record.get("tools"))
     except (TypeError, ValueError) as error:

@@ -53,7 +53,8 @@ def build(config: RunConfig):
     try:
         chat = ChatFormat(tokenizer)
     except (TypeError, ValueError) as error:
-        field = "model.tokenizer" if config.model.tokenizer else "model.path"
+        field = ("model.tokenizer" if config.model.tokenizer else "model.path" if config.model.path
+                 else "env (its corpus trains the built-in tokenizer)")
         raise ConfigError(f"{field}: {error}") from None
     _check_budget(config, chat, environment, policy)
     return environment, chat, policy
@@ -73,8 +74,9 @@ def _policy_and_tokenizer(config: RunConfig, environment):
                                         vocab_size=m.vocab_size,
                                         words=getattr(environment, "words", tuple)())
     except ValueError as error:
-        raise ConfigError(f"{'model.tokenizer' if m.tokenizer else 'model.path'}: {error}") \
-            from None
+        field = ("model.tokenizer" if m.tokenizer else "model.path" if m.path
+                 else "model.vocab_size")
+        raise ConfigError(f"{field}: {error}") from None
     if path is None:
         policy = tiny_qwen3(len(tokenizer), hidden_size=m.hidden_size, num_layers=m.num_layers,
                             num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
@@ -100,14 +102,42 @@ def _local_or_hub(name: str, config: RunConfig) -> str:
     return name
 
 
+def resolve_paths(config: RunConfig) -> RunConfig:
+    """``config`` with its relative local paths (model, tokenizer, warm-start files, the dataset
+    environment's task files) made absolute where they are found (:func:`_local_or_hub`), so
+    the run folder's ``config.yaml`` means the same from any directory (``agentrl-fast
+    eval``); names found nowhere stay as given (hub ids; the errors come where they load)."""
+    def absolute(name: str | None) -> str | None:
+        if name is None:
+            return None
+        found = Path(_local_or_hub(name, config)).expanduser()
+        return str(found.resolve()) if found.exists() else name
+
+    m, w, env = config.model, config.warmstart, config.env
+    args = dict(env.args)
+    if env.factory is None and env.name == "dataset":
+        args.update({key: absolute(args[key]) for key in ("train", "eval")
+                     if isinstance(args.get(key), str)})
+    return dataclasses.replace(
+        config, model=dataclasses.replace(m, path=absolute(m.path), tokenizer=absolute(m.tokenizer)),
+        warmstart=dataclasses.replace(w, data=absolute(w.data), load=absolute(w.load)),
+        env=dataclasses.replace(env, args=args))
+
+
 def _check_budget(config: RunConfig, chat: ChatFormat, environment, policy) -> None:
-    """The longest first prompt of 50 train tasks plus a turn fits ``context_budget``, which
-    fits the model's positions."""
+    """The longest first prompt (of 50 train tasks and the held-out ones, up to 1000) plus a
+    turn fits ``context_budget`` and ``max_total_tokens``; the budget fits the model's
+    positions."""
     rollout = config.train.rollout
     engine = RolloutEngine(ScriptedGenerator(lambda context: "", chat), chat, environment,
                            rollout)
-    longest = max(len(engine.prompt_ids(task)) for task in environment.tasks("train")[:50])
+    tasks = list(environment.tasks("train")[:50]) + list(environment.tasks("eval")[:1000])
+    longest = max(len(engine.prompt_ids(task)) for task in tasks)
     need = longest + rollout.sampling.max_new_tokens + 2
+    if need > rollout.max_total_tokens:
+        raise ConfigError(f"train.rollout.max_total_tokens ({rollout.max_total_tokens}) is "
+                          f"smaller than a first prompt ({longest} tokens) and one turn; use at "
+                          f"least {need}")
     if need > rollout.context_budget:
         raise ConfigError(f"train.rollout.context_budget ({rollout.context_budget}) is smaller than "
                           f"the system prompt, tools and task ({longest} tokens) plus "
@@ -304,6 +334,7 @@ def train_run(config: RunConfig, *, progress: bool = True,
         raise ConfigError(f"run_dir {config.run_dir} holds checkpoints of an earlier run: "
                           "continue it with --resume (train_run(..., resume=True)), or give a "
                           "new --run-dir to start over")
+    config = resolve_paths(config)
     world = init_world(config.train.distributed)
     summary = _train_run(config, progress, print_fn, world)
     shutdown()  # after a failure the process just exits: torchrun stops the other ranks
