@@ -66,7 +66,9 @@ def test_your_environment_from_a_factory(folder):
     run = folder / "runs" / "capitals"
     assert [r["step"] for r in rows(run, "train")] == [1]
     assert rows(run, "train")[0]["generated_tokens"] > 0
-    evaluated = agentrl_fast(folder, "eval", "--run-dir", "runs/capitals")
+    # From another directory: the saved config's paths are absolute, its modules found in the
+    # config's folder.
+    evaluated = agentrl_fast(folder.parent, "eval", "--run-dir", str(run))
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "| step-000000001 | 2 |" in evaluated.stdout
     from transformers import AutoConfig, AutoTokenizer
