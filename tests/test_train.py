@@ -17,6 +17,7 @@ from agentrl_fast.harness import ChatFormat, SubTrace
 from agentrl_fast.config import RolloutConfig, SamplingParams
 from agentrl_fast.envs import VaultEnvironment, build_tokenizer
 from agentrl_fast.models.tiny import tiny_qwen3, with_token_bias
+from agentrl_fast.models.critic import make_critic
 from agentrl_fast.train import TrainConfig, Trainer, bootstrap_values, gae_advantages
 from agentrl_fast.train import ppo as ppo_module
 from agentrl_fast.train.scoring import score
@@ -158,9 +159,16 @@ def test_overlapped_critic_update_matches_the_sequential_one(chat):
     (got, overlapped), (want, sequential) = runs[True], runs[False]
     for key in ("value_loss", "policy_loss", "critic_grad_norm", "policy_grad_norm"):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    # Each tensor's update equal within 1e-3 of its size: Adam's first step divides by the
+    # gradient's own magnitude, so a near-zero gradient element that the policy's thread
+    # count rounds differently moves by up to the learning rate (elementwise tolerances on
+    # the weights then fail on rounding alone).
+    start = policy_for(chat)
     for a, b in ((overlapped.policy, sequential.policy), (overlapped.critic, sequential.critic)):
-        for (name, x), y in zip(a.named_parameters(), b.parameters()):
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=name)
+        initial = make_critic(start) if b is sequential.critic else start
+        for (name, x), y, x0 in zip(a.named_parameters(), b.parameters(), initial.parameters()):
+            update = (y.detach() - x0.detach()).norm()
+            assert (x.detach() - y.detach()).norm() <= 1e-3 * update + 1e-7, name
 
 
 def test_rollout_logprobs_stand_in_for_the_recomputed_ones(chat):
