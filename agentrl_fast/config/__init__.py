@@ -375,6 +375,11 @@ def search_folders(config: RunConfig) -> list[str]:
     return [os.getcwd()] + ([config.base_dir] if config.base_dir else [])
 
 
+def local_candidates(name: str, config: RunConfig) -> list[Path]:
+    """Where a relative path of ``config`` may be, in lookup order (:func:`search_folders`)."""
+    return [Path(folder) / name for folder in search_folders(config)]
+
+
 def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply ``section.field=value`` strings (``train.rollout.context_budget=256``), all at
     once (checks across fields see every override; a later value of a field wins)."""
@@ -452,8 +457,7 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(f"warmstart.data is set but not used (warmstart.source="
                               f"{config.warmstart.source}, warmstart.steps="
                               f"{config.warmstart.steps}); use source data (or auto) and steps > 0")
-        if not any((Path(folder) / config.warmstart.data).expanduser().is_file()
-                   for folder in search_folders(config)):
+        if not any(p.is_file() for p in local_candidates(config.warmstart.data, config)):
             raise ConfigError(f"warmstart.data: no such file {config.warmstart.data!r} (looked "
                               f"in {', '.join(search_folders(config))})")
     if config.model.dtype not in MODEL_DTYPES:
@@ -502,8 +506,7 @@ def validate(config: RunConfig) -> None:
                           "only; give your environment's demonstrations as warmstart.data")
     if source == "expert" and config.warmstart.steps and not config.warmstart.demos:
         raise ConfigError("warmstart.steps > 0 needs warmstart.demos > 0")
-    if w.load is not None and not any((Path(folder) / w.load).is_file()
-                                      for folder in search_folders(config)):
+    if w.load is not None and not any(p.is_file() for p in local_candidates(w.load, config)):
         raise ConfigError(f"warmstart.load: no such file {w.load!r} (a run folder's "
                           "warmstart.pt)")
     if config.model.num_heads % config.model.num_kv_heads:

@@ -14,6 +14,7 @@ trained on. The dataset tool environment writes such files from a scripted polic
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -76,14 +77,11 @@ def _sub_trace(record: dict, chat_format: ChatFormat, where: str, index: int) ->
     if not any(mask):
         raise ValueError(f"{where}: the conversation has no assistant turn to learn from")
     sub_trace = SubTrace(rollout_id=f"demo-{index}")
-    start = 0
-    for end in range(1, len(ids) + 1):  # runs of equal mask: context, then action, ...
-        if end == len(ids) or mask[end] != mask[start]:
-            run = ids[start:end]
-            if mask[start]:
-                sub_trace.append_action(run, [0.0] * len(run))
-            else:
-                sub_trace.append_context(run)
-            start = end
+    for action, run in itertools.groupby(zip(ids, mask), key=lambda pair: pair[1]):
+        run_ids = [token for token, _ in run]  # a run of context, then of action, ...
+        if action:
+            sub_trace.append_action(run_ids, [0.0] * len(run_ids))
+        else:
+            sub_trace.append_context(run_ids)
     sub_trace.close("terminal")
     return sub_trace

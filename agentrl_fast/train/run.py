@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from agentrl_fast.config import (ConfigError, RunConfig, search_folders, to_dict, validate,
+from agentrl_fast.config import (ConfigError, RunConfig, local_candidates, to_dict, validate,
                                  warmstart_source)
 from agentrl_fast.harness import ChatFormat, RolloutEngine, rollout_metrics
 from agentrl_fast.harness.trajectory import Trajectory
@@ -95,11 +95,7 @@ def _policy_and_tokenizer(config: RunConfig, environment):
 def _local_or_hub(name: str, config: RunConfig) -> str:
     """``name`` as a folder from the working directory or the config's folder, else as given
     (a hub id)."""
-    for folder in search_folders(config):
-        candidate = Path(folder) / name
-        if candidate.exists():
-            return str(candidate)
-    return name
+    return next((str(p) for p in local_candidates(name, config) if p.exists()), name)
 
 
 def resolve_paths(config: RunConfig) -> RunConfig:
