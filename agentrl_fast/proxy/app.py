@@ -25,6 +25,7 @@ from agentrl_fast.proxy.service import Proxy
 from agentrl_fast.proxy.session import (ChatRequest, ProxyError, Reply, internal_error,
                                         parse_request, token_logprobs)
 from agentrl_fast.proxy.responses import chat_body, response_events, response_of
+from agentrl_fast.proxy import messages as anthropic
 from agentrl_fast.proxy.stream import ContentStream
 
 
@@ -191,23 +192,29 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
     it)."""
     app = FastAPI(title="agentrl_fast proxy", docs_url=None, redoc_url=None, openapi_url=None)
 
+    def answer(request: Request, error: ProxyError) -> JSONResponse:
+        """The error in the shape of the API ``request`` was for."""
+        if anthropic.is_messages_path(request.url.path):
+            return JSONResponse(anthropic.error_body(error), status_code=error.status)
+        return _error(error)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-        return _error(ProxyError(error.status_code, f"{request.method} {request.url.path}: "
-                                 f"{error.detail}", None, code))
+        return answer(request, ProxyError(error.status_code, f"{request.method} "
+                                          f"{request.url.path}: {error.detail}", None, code))
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception) -> JSONResponse:
-        return _error(ProxyError(500, f"internal error: {type(error).__name__}"))
+        return answer(request, ProxyError(500, f"internal error: {type(error).__name__}"))
 
-    async def guarded(work) -> Any:
+    async def guarded(work, request: Request | None = None) -> Any:
+        """``work()``, or its error's answer (in the API's shape, given the ``request``)."""
         try:
             return await work()
-        except ProxyError as error:
-            return _error(error)
         except Exception as error:  # noqa: BLE001 - the server answers and stays up
-            return _error(internal_error(error))
+            failure = error if isinstance(error, ProxyError) else internal_error(error)
+            return _error(failure) if request is None else answer(request, failure)
 
     @app.post("/s/{session_id}/v1/chat/completions")
     async def chat_completions(session_id: str, request: Request):
@@ -252,6 +259,23 @@ def create_app(proxy: Proxy, max_body_bytes: int = 8 << 20) -> FastAPI:
             return JSONResponse(response_of(response_id, reply, usage, chat_request, body,
                                             proxy.chat_format, proxy.model_name))
         return await guarded(work)
+
+    @app.post("/s/{session_id}/v1/messages")
+    async def messages(session_id: str, request: Request):
+        async def work():
+            body = anthropic.chat_body(await _read_json(request, max_body_bytes))
+            chat_request = parse_request(body, proxy.sampling)
+            if chat_request.stream:
+                stream = _Stream(proxy, session_id, chat_request)
+                await stream.started()
+                return StreamingResponse(
+                    anthropic.message_events(stream.parts(), chat_request, proxy.chat_format,
+                                             proxy.model_name),
+                    media_type="text/event-stream")
+            _, reply, usage = await proxy.complete(session_id, chat_request)
+            return JSONResponse(anthropic.message_of(reply, usage, chat_request,
+                                                     proxy.chat_format, proxy.model_name))
+        return await guarded(work, request)
 
     @app.get("/s/{session_id}/v1/models")
     async def models(session_id: str):
