@@ -11,6 +11,9 @@ search=[config folder, working directory])``)::
         eval: eval.jsonl             # optional; else eval_fraction of train is held out
         tools: tools                 # a module whose @tool functions are the tools
         reward: "reward:score"       # score(answer, task) -> float in [0, 1] or bool
+        mcp_servers:                 # optional: MCP tool servers (docs/harness.md)
+          - {name: git, command: mcp-server-git, args: [--repository, "{rollout_dir}"],
+             scope: rollout, rollout_dir_template: repo}
 
 Task files: one task per JSONL line (or Parquet row), an object with the prompt (``prompt_key``,
 default ``"prompt"``), an optional ``id`` (default ``<file stem>-<row index>``), and any other
@@ -27,6 +30,12 @@ A truncated rollout (no final answer) gets 0 without a call, unless ``score_trun
 returns anything but a bool or a number in [0, 1], gives the episode reward 0 and no success; the
 episode's ``reward_error`` says why, the rollout engine counts it (``reward_errors`` in
 ``rollout_metrics``) and the first failure's traceback is logged. The rollout goes on either way.
+
+MCP tool servers (``mcp_servers``: a list of :class:`~agentrl_fast.harness.mcp.MCPServerSpec`
+mappings; relative folders looked up like the task files) add their tools to every episode's;
+they start when the environment is made (the shared servers stay up, the rollout servers' tools
+are listed once), an episode's ``close()`` stops its rollout's servers and the environment's
+``close()`` every server.
 
 :func:`write_demonstrations` runs a scripted policy (plain Python, no model) through episodes of
 any environment and writes the conversations as OpenAI-style messages, one JSON object a line.
@@ -50,7 +59,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from agentrl_fast.config.errors import ConfigError
 from agentrl_fast.config.imports import import_object
 from agentrl_fast.harness.chat_format import render_messages
-from agentrl_fast.harness.environment import SPLITS, Task, check_episode, episode_success
+from agentrl_fast.harness.environment import (SPLITS, Task, check_episode, close_episode,
+                                              episode_success)
 from agentrl_fast.harness.memory import MemoryNamespace, MemoryStore
 from agentrl_fast.harness.tool_calls import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
 from agentrl_fast.harness.tools import Tool, ToolRegistry, ToolResult, tool
@@ -277,7 +287,9 @@ class DatasetEpisode:
         self.prompt = task.prompt
         memory_tools = ([t for t in memory.tools() if t.name in environment.memory_tool_names]
                         if environment.memory_tool_names else [])
-        self.tools = [*environment.tools, *memory_tools]
+        mcp = environment.mcp_servers
+        self.tools = [*environment.tools, *(mcp.tools(self) if mcp is not None else []),
+                      *memory_tools]
         self.calls: list[ToolCall] = []
         self.results: list[ToolResult] = []
         self.answer: str | None = None
@@ -313,6 +325,11 @@ class DatasetEpisode:
     def success(self) -> bool:
         return self.reward_error is None and self.reward >= self.environment.success_threshold
 
+    def close(self) -> None:
+        """Stop this rollout's MCP servers (in the background)."""
+        if self.environment.mcp_servers is not None:
+            self.environment.mcp_servers.release(self)
+
 
 class DatasetToolEnvironment:
     """Tasks from files, tools from a module, a reward by import path (see the module doc).
@@ -324,8 +341,10 @@ class DatasetToolEnvironment:
     ``system_prompt``: default :data:`DEFAULT_SYSTEM_PROMPT`. ``memory_tools``: ``True`` adds the
     five memory tools bound to the rollout's namespace, a list adds those named.
     ``tool_timeout``: seconds, for tools without a timeout of their own (default: the rollout
-    config's). ``search``: folders the modules are imported from after ``sys.path`` (the run
-    passes the config's folder and the working directory)."""
+    config's). ``mcp_servers``: MCP tool servers (see the module doc; ``mcp_servers`` holds the
+    :class:`~agentrl_fast.harness.mcp.MCPServers`, ``None`` without). ``search``: folders the
+    modules are imported from after ``sys.path`` (the run passes the config's folder and the
+    working directory)."""
 
     name = "dataset"
 
@@ -334,7 +353,8 @@ class DatasetToolEnvironment:
                  split_seed: int = 0, prompt_key: str = "prompt",
                  system_prompt: str | None = None, success_threshold: float = 1.0,
                  memory_tools: bool | Sequence[str] = False, tool_timeout: float | None = None,
-                 score_truncated: bool = False, search: Iterable[str | Path] = ()):
+                 score_truncated: bool = False, mcp_servers: Sequence[Mapping] | None = None,
+                 search: Iterable[str | Path] = ()):
         search = list(search)
         if not isinstance(prompt_key, str) or not prompt_key:
             raise ConfigError(f"env.args.prompt_key: expected a field name, got {prompt_key!r}")
@@ -385,6 +405,34 @@ class DatasetToolEnvironment:
                                                                             held))
             self._tasks = {"train": [t for i, t in enumerate(tasks) if i not in chosen],
                            "eval": [t for i, t in enumerate(tasks) if i in chosen]}
+        self.mcp_servers = self._mcp_servers(mcp_servers, search)
+
+    def _mcp_servers(self, specs, search: list):
+        """The MCP servers, started (last: nothing else can fail after them), or ``None``."""
+        if not specs:
+            return None
+        from agentrl_fast.harness.mcp import MCPServerError, MCPServers
+        taken = {t.name: f"the Python tool {t.name!r} (env.args.tools)" for t in self.tools}
+        taken.update((n, f"the memory tool {n!r}") for n in self.memory_tool_names)
+        try:
+            servers = MCPServers(specs, search=search, reserved=taken,
+                                 where="env.args.mcp_servers")
+        except (ValueError, TypeError) as error:
+            raise ConfigError(str(error)) from None
+        try:
+            servers.start()
+        except (MCPServerError, ValueError) as error:
+            servers.close()
+            raise ConfigError(f"env.args.mcp_servers: {error}") from None
+        except BaseException:
+            servers.close()
+            raise
+        return servers
+
+    def close(self) -> None:
+        """Stop the MCP servers (every rollout's and the shared ones); idempotent."""
+        if self.mcp_servers is not None:
+            self.mcp_servers.close()
 
     @staticmethod
     def _memory_tool_names(memory_tools) -> tuple[str, ...]:
@@ -426,7 +474,8 @@ class DatasetToolEnvironment:
 
     def words(self) -> tuple[str, ...]:
         """Names the built-in tokenizer keeps whole: the tool names."""
-        return tuple(t.name for t in self.tools) + self.memory_tool_names
+        mcp = tuple(self.mcp_servers.tool_names) if self.mcp_servers is not None else ()
+        return tuple(t.name for t in self.tools) + mcp + self.memory_tool_names
 
     def corpus(self, max_tasks: int = 2000) -> list[str]:
         """Text for the built-in tokenizer: the system prompt with the tools header (weighted:
@@ -435,6 +484,7 @@ class DatasetToolEnvironment:
         with MemoryStore() as store:
             episode = self.start(train[0], store.namespace("corpus"), seed=0)
             schemas = [t.schema for t in episode.tools]
+            close_episode(episode)
         header = render_messages([{"role": "system", "content": self.system_prompt}],
                                  tools=schemas)
         calls = [f'{TOOL_CALL_OPEN}\n{{"name": "{s["function"]["name"]}", "arguments": '
@@ -543,6 +593,7 @@ def write_demonstrations(environment, policy: Callable[[Task, list[dict]], Mappi
                                                                     results)]
                 episode.after_tools(calls, results)
             reward = episode.finish(answer)
+            close_episode(episode)
             if keep_failed or episode_success(episode):
                 out.write(json.dumps({"messages": messages, "tools": registry.schemas,
                                       "task_id": task.id, "reward": reward},

@@ -10,7 +10,8 @@ from agentrl_fast.config import (ConfigError, EnvConfig, RunConfig, search_folde
 from agentrl_fast.config.imports import import_object
 from agentrl_fast.envs.dataset import DatasetToolEnvironment
 from agentrl_fast.envs.vault import VaultEnvironment
-from agentrl_fast.harness.environment import check_environment, check_episode
+from agentrl_fast.harness.environment import (check_environment, check_episode,
+                                              close_environment, close_episode)
 from agentrl_fast.harness.memory import MemoryStore
 
 # The EnvConfig fields that are the vault task's arguments.
@@ -39,11 +40,15 @@ def make_environment(config: RunConfig):
         environment = _call(DatasetToolEnvironment, {**env.args, "search": search}, "env.args")
     field = "env.factory" if env.factory is not None else "env.args"
     try:
-        check_environment(environment)
-    except TypeError as error:
-        raise ConfigError(f"{field}: {error}") from None
-    _check_splits(environment, config)
-    _check_first_episode(environment, field)
+        try:
+            check_environment(environment)
+        except TypeError as error:
+            raise ConfigError(f"{field}: {error}") from None
+        _check_splits(environment, config)
+        _check_first_episode(environment, field)
+    except BaseException:
+        close_environment(environment)  # what it started (MCP servers) stops with the error
+        raise
     return environment
 
 
@@ -61,6 +66,8 @@ def _check_first_episode(environment, field: str) -> None:
             check_episode(episode, environment)
         except TypeError as error:
             raise ConfigError(f"{field}: {error}") from None
+        finally:
+            close_episode(episode)
 
 
 def _call(factory, args: dict, where: str):

@@ -7,6 +7,9 @@ episode's tools are ordinary :class:`~agentrl_fast.harness.tools.Tool` objects (
 bound to that namespace among them); the engine runs them through a ``ToolRegistry``. Rewards:
 ``after_tools`` may return a per-turn reward (on the turn's last action token), ``finish`` the
 episode's final reward in [0, 1] (``answer`` is ``None`` when the rollout was truncated).
+Optional members: an episode's ``close()`` releases what it holds for its rollout (its MCP
+servers: :mod:`agentrl_fast.harness.mcp`), an environment's ``close()`` what it holds for the
+run (shared MCP servers); the engine and the run call them whatever way a rollout or a run ends.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ class Episode(Protocol):
     def success(self) -> bool:
         """Whether the finished episode solved its task."""
 
+    # Optional (not checked): ``close()``, called once when the rollout ends, however it ends
+    # (a final answer, a truncation, an error, a dropped or restarted group), after ``finish``
+    # when there is one: release the rollout's resources (:func:`close_episode`).
+
 
 @runtime_checkable
 class Environment(Protocol):
@@ -73,6 +80,9 @@ class Environment(Protocol):
         """A fresh episode of ``task``; ``memory`` is the rollout's namespace (its
         ``tools()`` are the memory tools), ``seed`` derived from the run's seed and the rollout
         (for an environment with randomness of its own)."""
+
+    # Optional (not checked): ``close()``, called when the run ends (``agentrl-fast train``,
+    # ``eval``): release what the environment holds for the run (:func:`close_environment`).
 
 
 # Each protocol's members (True: a method) checked where the engine first needs them, so a
@@ -121,3 +131,17 @@ def episode_success(episode) -> bool:
     except AttributeError:
         raise TypeError(f"{type(episode).__name__} has no 'success' after finish(): the Episode "
                         "protocol needs it (whether the finished episode solved its task)") from None
+
+
+def close_episode(episode) -> None:
+    """Call ``episode.close()`` when it has one (an optional member of the protocol)."""
+    close = getattr(episode, "close", None)
+    if callable(close):
+        close()
+
+
+def close_environment(environment) -> None:
+    """Call ``environment.close()`` when it has one (an optional member of the protocol)."""
+    close = getattr(environment, "close", None)
+    if callable(close):
+        close()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from typing import Callable, Iterator, Sequence
 from agentrl_fast.config.rollout import RolloutConfig
 from agentrl_fast.harness.chat_format import ChatFormat
 from agentrl_fast.harness.environment import (Environment, Episode, Task, check_environment,
-                                              check_episode, episode_success)
+                                              check_episode, close_episode, episode_success)
 from agentrl_fast.generators.base import Generation, Generator
 from agentrl_fast.harness.memory import MemoryNamespace, MemoryStore
 from agentrl_fast.harness.tool_calls import ToolCall
@@ -48,6 +49,7 @@ from agentrl_fast.harness.tools import ToolRegistry, ToolResult
 from agentrl_fast.harness.trajectory import Trajectory, apply_turn
 from agentrl_fast.seeds import derive_seed
 
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class _Rollout:
     compact_next: bool = False
     done: bool = False
     attempt: int = 0  # restarts of its group before this rollout (astream's abort-and-restart)
+    closed: bool = False  # the episode's optional close() was called
 
 
 def _oldest_version(rollouts: list[_Rollout]) -> int:
@@ -245,12 +248,18 @@ class RolloutEngine:
         reset = getattr(self.generator, "reset_prefix_cache", None)
         if reset is not None:  # a run's outputs do not depend on the runs before it
             reset()
-        rollouts = [self._start(task, sample, seed) for task in tasks
-                    for sample in range(self.config.samples_per_task)]
-        if self.config.schedule == "lockstep":
-            await self._lockstep(rollouts)
-        else:
-            await self._overlap(rollouts)
+        rollouts: list[_Rollout] = []
+        try:
+            for task in tasks:
+                for sample in range(self.config.samples_per_task):
+                    rollouts.append(self._start(task, sample, seed))
+            if self.config.schedule == "lockstep":
+                await self._lockstep(rollouts)
+            else:
+                await self._overlap(rollouts)
+        finally:  # an error or a cancellation: the unfinished rollouts' episodes are closed too
+            for rollout in rollouts:
+                self._close(rollout)
         self.stats.episodes = len(rollouts)
         self.stats.tool_seconds = self._clock.busy
         self.stats.wall_seconds = time.perf_counter() - start
@@ -280,7 +289,7 @@ class RolloutEngine:
         started_as: dict[int, tuple[Task, int]] = {}  # a group's (task, seed), for restarts
         group_of: dict[int, int] = {}
         left: dict[int, int] = {}  # rollouts of a group not yet settled as done
-        source, exhausted, started = iter(groups), False, 0
+        source = iter(groups)
 
         def start(key: int, attempt: int = 0) -> None:
             task, seed = started_as[key]
@@ -293,6 +302,8 @@ class RolloutEngine:
                 settle(rollout)
 
         def restart(key: int) -> None:
+            for rollout in members[key]:
+                self._close(rollout)
             old = {id(r) for r in members[key]}
             for rollout_id in old:
                 group_of.pop(rollout_id, None)
@@ -319,6 +330,16 @@ class RolloutEngine:
                 emit([r.trajectory for r in members.pop(key)])
 
         pump = _Pump(self, settle)
+        try:
+            await self._stream(pump, source, members, started_as, start, room)
+        finally:  # cancelled (or failed): the groups in flight are dropped, their episodes closed
+            for rollout in (r for group in members.values() for r in group):
+                self._close(rollout)
+
+    async def _stream(self, pump: "_Pump", source: Iterator, members: dict, started_as: dict,
+                      start: Callable[[int], None], room: Callable[[int], bool]) -> None:
+        """:meth:`astream`'s loop: start groups while there is room, step the rollouts."""
+        exhausted, started = False, 0
         while True:
             while not exhausted and room(len(members)):
                 try:
@@ -339,7 +360,9 @@ class RolloutEngine:
     def prompt_ids(self, task: Task) -> list[int]:
         """The ids a rollout of ``task`` starts from: system prompt, tools header, task,
         generation prompt (to check budgets before a run)."""
-        return list(self._start(task, 0, seed=0, check=False).trajectory.current.ids)
+        rollout = self._start(task, 0, seed=0, check=False)
+        self._close(rollout)
+        return list(rollout.trajectory.current.ids)
 
     # -- one rollout ----------------------------------------------------------------------------
 
@@ -401,6 +424,18 @@ class RolloutEngine:
         if getattr(rollout.episode, "reward_error", None) is not None:  # its reward function failed
             trajectory.metrics["reward_error"] = 1
         rollout.done = True
+        self._close(rollout)
+
+    def _close(self, rollout: _Rollout) -> None:
+        """The episode's optional ``close()``, once; its failure is logged, the rollout kept."""
+        if rollout.closed:
+            return
+        rollout.closed = True
+        try:
+            close_episode(rollout.episode)
+        except Exception:  # noqa: BLE001 - the environment's code: the trajectory stands
+            logger.warning("%s.close() failed for rollout %s", type(rollout.episode).__name__,
+                           rollout.trajectory.rollout_id, exc_info=True)
 
     def _prepare(self, rollout: _Rollout) -> bool:
         """Enforce the limits before a generation; compact if needed. False: rollout over."""

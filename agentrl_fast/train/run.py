@@ -33,6 +33,7 @@ from agentrl_fast.harness.trajectory import Trajectory
 from agentrl_fast.generators import Generator, ScriptedGenerator, TorchGenerator
 from agentrl_fast.envs import build_tokenizer, expert_action
 from agentrl_fast.envs.from_config import make_environment
+from agentrl_fast.harness.environment import close_environment
 from agentrl_fast.models.fused import FAMILIES as FUSED_FAMILIES, use_fused_layers
 from agentrl_fast.models.pretrained import check_vocabulary, load_causal_lm, load_tokenizer
 from agentrl_fast.models.tiny import tiny_qwen3
@@ -49,14 +50,18 @@ def build(config: RunConfig):
     one turn fit the context budget and the model."""
     validate(config)
     environment = make_environment(config)
-    tokenizer, policy = _policy_and_tokenizer(config, environment)
     try:
-        chat = ChatFormat(tokenizer)
-    except (TypeError, ValueError) as error:
-        field = ("model.tokenizer" if config.model.tokenizer else "model.path" if config.model.path
-                 else "env (its corpus trains the built-in tokenizer)")
-        raise ConfigError(f"{field}: {error}") from None
-    _check_budget(config, chat, environment, policy)
+        tokenizer, policy = _policy_and_tokenizer(config, environment)
+        try:
+            chat = ChatFormat(tokenizer)
+        except (TypeError, ValueError) as error:
+            field = ("model.tokenizer" if config.model.tokenizer else "model.path"
+                     if config.model.path else "env (its corpus trains the built-in tokenizer)")
+            raise ConfigError(f"{field}: {error}") from None
+        _check_budget(config, chat, environment, policy)
+    except BaseException:
+        close_environment(environment)  # its servers (MCP) stop with the failed build
+        raise
     return environment, chat, policy
 
 
@@ -114,6 +119,12 @@ def resolve_paths(config: RunConfig) -> RunConfig:
     if env.factory is None and env.name == "dataset":
         args.update({key: absolute(args[key]) for key in ("train", "eval")
                      if isinstance(args.get(key), str)})
+        if isinstance(args.get("mcp_servers"), list):  # their template folders
+            args["mcp_servers"] = [
+                {**server, "rollout_dir_template": absolute(server["rollout_dir_template"])}
+                if isinstance(server, dict) and isinstance(server.get("rollout_dir_template"),
+                                                           str) else server
+                for server in args["mcp_servers"]]
     return dataclasses.replace(
         config, model=dataclasses.replace(m, path=absolute(m.path), tokenizer=absolute(m.tokenizer)),
         warmstart=dataclasses.replace(w, data=absolute(w.data), load=absolute(w.load)),
@@ -347,9 +358,13 @@ def _train_run(config: RunConfig, progress: bool, print_fn, world: World | None)
     run_dir = Path(config.run_dir)
     if config.generator.backend != "torch":
         run_dir.mkdir(parents=True, exist_ok=True)
-    with run_generator(config, policy, chat.tokenizer, run_dir, world is not None) as generator:
-        return _phases(config, progress, print_fn, world, start, main, environment, chat, policy,
-                       generator)
+    try:
+        with run_generator(config, policy, chat.tokenizer, run_dir,
+                           world is not None) as generator:
+            return _phases(config, progress, print_fn, world, start, main, environment, chat,
+                           policy, generator)
+    finally:
+        close_environment(environment)  # the run's shared resources (MCP servers)
 
 
 def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, start: float,

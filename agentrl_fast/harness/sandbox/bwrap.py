@@ -82,13 +82,14 @@ def _system_mounts() -> list[str]:
         if os.path.islink(path):  # merged /usr: /bin -> usr/bin
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
+            args += [bind, path, path]
     return args
 
 
-def _read_only_mounts(paths: Iterable[str], made: set[str]) -> list[str]:
-    """Read-only binds at their own paths. bwrap makes missing parents mode 0700, which an
-    unprivileged uid cannot cross, so each parent is made first as 0755 (and stays empty)."""
+def _read_only_mounts(paths: Iterable[str], made: set[str], bind: str = "--ro-bind") -> list[str]:
+    """Read-only binds (``bind="--bind"``: writable ones) at their own paths. bwrap makes missing
+    parents mode 0700, which an unprivileged uid cannot cross, so each parent is made first as
+    0755 (and stays empty)."""
     args = []
     for path in paths:
         parents = []
@@ -100,7 +101,7 @@ def _read_only_mounts(paths: Iterable[str], made: set[str]) -> list[str]:
             if parent not in made:
                 made.add(parent)
                 args += ["--perms", "0755", "--dir", parent]
-        args += ["--ro-bind", path, path]
+        args += [bind, path, path]
     return args
 
 
@@ -116,10 +117,13 @@ def _outermost(paths: list[str]) -> list[str]:
 
 
 def bwrap_command(bwrap: str, inner: list[str], *, uid: int, cwd: str | None,
-                  read_only_paths: Iterable[str] = ()) -> list[str]:
+                  read_only_paths: Iterable[str] = (),
+                  writable_paths: Iterable[str] = ()) -> list[str]:
     """``bwrap`` options then ``inner`` (the launcher and the program). ``uid``: from
     :func:`sandbox_uid` (-1: unprivileged trainer, bwrap makes the user namespace); ``cwd``: a
-    host directory bound read-only as the working directory (``None``: the fresh ``/tmp``)."""
+    host directory bound read-only as the working directory (``None``: the fresh ``/tmp``),
+    writable when it is one of ``writable_paths`` (host directories bound writable, after the
+    read-only ones: an MCP server's rollout folder)."""
     args = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net",
             "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
     if uid >= 0:  # root: privileged bwrap; the launcher drops to `uid` and makes the user ns
@@ -128,9 +132,10 @@ def bwrap_command(bwrap: str, inner: list[str], *, uid: int, cwd: str | None,
         args += ["--unshare-user", "--uid", str(INNER_UID), "--gid", str(INNER_UID),
                  "--cap-drop", "ALL"]
     paths = [os.path.realpath(p) for p in (*interpreter_paths(), *read_only_paths)]
-    if cwd is not None:
+    writable = [os.path.realpath(p) for p in writable_paths]
+    if cwd is not None and os.path.realpath(cwd) not in writable:
         paths.append(os.path.realpath(cwd))
-    if "/" in paths:
+    if "/" in paths + writable:
         raise ValueError("run_sandboxed: cannot bind '/' into the sandbox (cwd or "
                          "read_only_paths); name a directory below it")
     size = str(SCRATCH_MB * 1024 * 1024)
@@ -139,6 +144,8 @@ def bwrap_command(bwrap: str, inner: list[str], *, uid: int, cwd: str | None,
         "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
         "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
     # After /tmp, so that a directory under the host's /tmp is not hidden by the fresh tmpfs.
-    args += _read_only_mounts(_outermost(paths), {"/tmp", "/dev", "/dev/shm", "/proc"})
+    made = {"/tmp", "/dev", "/dev/shm", "/proc"}
+    args += _read_only_mounts(_outermost(paths), made)
+    args += _read_only_mounts(_outermost(writable), made, bind="--bind")
     args += ["--remount-ro", "/", "--chdir", os.path.realpath(cwd) if cwd is not None else "/tmp"]
     return args + ["--", *inner]
