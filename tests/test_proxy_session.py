@@ -141,8 +141,10 @@ def test_malformed_calls_come_back_as_text_and_valid_ones_as_calls(chat):
     _, reply, _ = complete(proxy, session, [SYSTEM, USER, echo(reply),
                                             {"role": "user", "content": "Fix your call."}])
     assert reply.content == "Let me see." and len(reply.tool_calls) == 1
-    _, reply, _ = complete(proxy, session, [SYSTEM, USER], tool_choice="none")
-    assert reply.tool_calls == [] and "<tool_call>" in reply.content
+    # tool_choice "none" bans <tool_call>: a script that writes one fails (a sampler cannot)
+    with pytest.raises(ProxyError, match="banned_ids forbids") as error:
+        complete(proxy, session, [SYSTEM, USER], tool_choice="none")
+    assert error.value.status == 502
 
 
 def test_stop_strings_cut_on_token_boundaries_only(chat):
@@ -225,7 +227,11 @@ def test_requests_of_sessions_are_batched_into_one_generate_call(chat):
     ({"messages": [USER], "n": 2}, "n", "n must be 1"),
     ({"messages": [USER], "max_tokens": 0}, "max_tokens", "integer >= 1"),
     ({"messages": [USER], "stop": ["a", ""]}, "stop", "non-empty strings"),
-    ({"messages": [USER], "tool_choice": "required"}, "tool_choice", "auto"),
+    ({"messages": [USER], "tools": None, "tool_choice": "required"}, "tool_choice",
+     "needs tools"),
+    ({"messages": [USER], "tool_choice": {"type": "function", "function": {"name": "fly"}}},
+     "tool_choice", "'fly', which is not one of the tools"),
+    ({"messages": [USER], "tool_choice": "any"}, "tool_choice", "named function"),
     ({"messages": [USER], "seed": "7"}, "seed", "integer"),
     ({"messages": [USER], "tools": [{"type": "function"}]}, "tools[0]", "function"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [

@@ -27,6 +27,12 @@ class SamplingParams:
     """Token ids that end a sequence (kept as its last sampled id). The rollout engine sets
     them to its chat format's stop tokens, whatever is given here; they matter when calling a
     generator directly."""
+    banned_ids: tuple[int, ...] = ()
+    """Token ids never sampled: masked before the softmax (vLLM: a logit bias of -100), so the
+    recorded log-probs are the renormalized ones the tokens were drawn from, the behaviour
+    policy's; with recomputed old log-probs (``train.recompute_logprobs``) the truncated
+    importance weight (``train.tis_cap``) corrects for the mismatch. The proxy bans
+    ``<tool_call>`` for a request's ``tool_choice: "none"``."""
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0
@@ -41,3 +47,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: max_new_tokens must be an int >= 1, "
                              f"got {self.max_new_tokens!r}")
         object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
+        banned = tuple(self.banned_ids)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in banned):
+            raise ValueError(f"SamplingParams: banned_ids must be token ids (ints >= 0), "
+                             f"got {self.banned_ids!r}")
+        object.__setattr__(self, "banned_ids", tuple(sorted(set(banned))))

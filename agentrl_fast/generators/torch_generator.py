@@ -37,9 +37,14 @@ def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, filtered_logprobs)`` of ``logits [B, V]`` (float32): the tempered
     log-softmax that log-probs are recorded from, and the same after top-k/top-p (``-inf``
-    outside the kept set), which tokens are drawn from."""
+    outside the kept set), which tokens are drawn from. Banned ids are masked before the
+    log-softmax: the recorded log-probs are then the renormalized ones tokens are drawn from."""
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float()
+    if sampling.banned_ids:
+        banned = torch.tensor(sampling.banned_ids, device=logits.device)
+        logits = logits.index_fill(-1, banned, float("-inf"))
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
     filtered = logprobs
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(filtered, sampling.top_k, dim=-1).values[:, -1:]
@@ -219,6 +224,9 @@ class TorchGenerator:
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         embeddings = getattr(self.model, "get_input_embeddings", lambda: None)()
         vocab_size = getattr(embeddings, "num_embeddings", None) or math.inf
+        if any(i >= vocab_size for i in sampling.banned_ids):
+            raise ValueError(f"sampling.banned_ids holds {max(sampling.banned_ids)}, outside the "
+                             f"model's vocabulary [0, {vocab_size})")
         checked = []
         for i, p in enumerate(prompts):
             ids = torch.as_tensor(p if isinstance(p, torch.Tensor) else list(p)).cpu()

@@ -6,7 +6,8 @@ back as ids (``return_token_ids``), never re-tokenized; only our stop ids end a 
 (``ignore_eos``), and the stop id is kept with its log-prob. Log-probs follow the project's
 convention, ``log_softmax(logits / T)`` of the sampled token: the server must run with
 ``--logprobs-mode processed_logprobs`` (checked at connect), which is that exactly when top-k and
-top-p are off, so a sampling with them on is refused.
+top-p are off, so a sampling with them on is refused. ``banned_ids`` go as a ``logit_bias`` of
+-100 (applied before those log-probs).
 
 Many requests are in flight at once (async HTTP on one event loop thread, at most
 ``max_concurrency``), each sent to the server with the fewest outstanding requests. A request
@@ -325,6 +326,11 @@ class VLLMGenerator:
                 "skip_special_tokens": False, "include_stop_str_in_output": True}
         if seed is not None:
             body["seed"] = seed % (1 << 63)
+        if sampling.banned_ids:
+            # vLLM's strongest bias (it clamps to +-100), added to the logits before the
+            # processed log-probs: a banned id keeps under e^-100 of its odds, and the
+            # recorded log-probs are the renormalized ones the ids were drawn from.
+            body["logit_bias"] = {str(i): -100.0 for i in sampling.banned_ids}
         return body
 
     async def _generate_one(self, prompt: list[int], sampling: SamplingParams,

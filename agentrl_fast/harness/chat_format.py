@@ -132,7 +132,8 @@ def _last_query_index(messages: list[_Message]) -> int:
     return len(messages) - 1
 
 
-def _tool_call_text(name: str, arguments: Any) -> str:
+def tool_call_text(name: str, arguments: Any) -> str:
+    """One call as the template renders it (and a model trained on it writes it)."""
     arguments_text = arguments if isinstance(arguments, str) else tojson(arguments)
     return f'{TOOL_CALL_OPEN}\n{{"name": "{name}", "arguments": {arguments_text}}}\n{TOOL_CALL_CLOSE}'
 
@@ -190,7 +191,7 @@ def render_pieces(messages: Sequence[Mapping], tools: Iterable[Mapping] | None =
             for j, (name, arguments) in enumerate(m.tool_calls):
                 if j > 0 or content:
                     output += "\n"
-                output += _tool_call_text(name, arguments)
+                output += tool_call_text(name, arguments)
             add((OUTPUT, output))
             add((TEMPLATE, f"{IM_END}\n"))
         elif m.role == "tool":

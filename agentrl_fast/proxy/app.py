@@ -96,7 +96,8 @@ class _Stream:
 
     def __init__(self, proxy: Proxy, session_id: str, request: ChatRequest):
         self.proxy, self.request = proxy, request
-        self.content = ContentStream(proxy.chat_format, request.stop, request.parse_calls)
+        self.content = ContentStream(proxy.chat_format, request.stop, request.parse_calls,
+                                     forced_call=request.tool_choice == "required")
         self._pending: list[int] = []
         self._lock = threading.Lock()
         self._arrived = asyncio.Event()  # set: ids are pending, or the request is over

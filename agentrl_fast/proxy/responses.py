@@ -11,8 +11,9 @@ first system message. Tools: ``{"type": "function", "name", "description", "para
 (:class:`ResponseStore`): its conversation and reply come before the new items, the new
 ``instructions`` replace the old. Several calls of one turn interleaved with their outputs read
 as several turns (a function call after tool outputs opens a new assistant turn, the common
-case), so such a harness starts a new sub-trace. ``conversation`` objects, hosted tools,
-non-text inputs and options that would change the run's sampling are refused. Output: a ``message`` item for the content, a ``function_call`` item
+case), so such a harness starts a new sub-trace. ``tool_choice`` as on chat completions (a
+named function is ``{"type": "function", "name": ...}``). ``conversation`` objects, hosted
+tools, non-text inputs and options that would change the run's sampling are refused. Output: a ``message`` item for the content, a ``function_call`` item
 per call (``call_id``: the proxy's call id); a reply cut by ``max_output_tokens`` is
 ``incomplete``.
 """
@@ -162,6 +163,9 @@ def chat_body(body: Any, history: list[dict] = ()) -> tuple[dict, list[dict]]:
     for name in ("tool_choice", "temperature", "top_p", "top_logprobs"):  # checked as in chat
         if body.get(name) is not None:
             chat[name] = body[name]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     return chat, conversation
 
 

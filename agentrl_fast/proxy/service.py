@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 
 from agentrl_fast.config.sampling import SamplingParams
 from agentrl_fast.harness.chat_format import ChatFormat
+from agentrl_fast.harness.tool_calls import TOOL_CALL_OPEN
 from agentrl_fast.generators.base import Generation, Generator
 from agentrl_fast.proxy.responses import ResponseStore
 from agentrl_fast.proxy.session import (ChatRequest, Plan, ProxyError, Reply, Session, make_reply,
@@ -293,14 +294,19 @@ class Proxy:
 
     def _sampling(self, request: ChatRequest) -> SamplingParams:
         """The run's sampling with the request's ``max_tokens``; a one-token stop string also
-        stops the generator (longer ones are cut afterwards, :func:`make_reply`)."""
+        stops the generator (longer ones are cut afterwards, :func:`make_reply`);
+        ``tool_choice: "none"`` bans ``<tool_call>`` (its own sampling group in a batch)."""
         extra = []
         for text in request.stop:
             ids = self.chat_format.encode(text)
             if len(ids) == 1 and ids[0] not in self.sampling.stop_ids + tuple(extra):
                 extra.append(ids[0])
+        banned = self.sampling.banned_ids
+        if request.tool_choice == "none":
+            banned += (self.chat_format.token_ids[TOOL_CALL_OPEN],)
         return dataclasses.replace(self.sampling, max_new_tokens=request.max_tokens,
-                                   stop_ids=self.sampling.stop_ids + tuple(extra))
+                                   stop_ids=self.sampling.stop_ids + tuple(extra),
+                                   banned_ids=banned)
 
     async def complete(self, session_id: str, body: Any,
                        on_tokens: Callable[[list[int]], None] | None = None
@@ -324,7 +330,7 @@ class Proxy:
                 raise ProxyError(502, f"the inference backend failed: {generation.error}", None,
                                  "generator_error")
             reply = make_reply(self.chat_format, generation.ids, generation.logprobs,
-                               generation.finish_reason, request, session.call_id)
+                               generation.finish_reason, request, session.call_id, plan.forced)
             with session.lock:
                 session.commit(plan, request, reply, self.chat_format, version)
         finally:

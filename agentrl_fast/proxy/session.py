@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from agentrl_fast.config.sampling import SamplingParams
-from agentrl_fast.harness.chat_format import ChatFormat
+from agentrl_fast.harness.chat_format import THINK_CLOSE, THINK_OPEN, ChatFormat, tool_call_text
 from agentrl_fast.harness.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
 from agentrl_fast.harness.trajectory import Trajectory
 from agentrl_fast.seeds import derive_seed
 
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+TOOL_CHOICES = ("auto", "none", "required")
 MAX_STOP_STRINGS = 4
 
 
@@ -137,6 +138,14 @@ def _tool_calls(raw: Any, param: str) -> tuple[list[dict], tuple]:
     return render, tuple(key)
 
 
+def _as_written(content: str, reasoning: str | None) -> str:
+    """An assistant message's text as the model wrote it: a ``reasoning_content`` is its
+    leading think block. Clients that move a reply's leading ``<think>...</think>`` out of
+    ``content`` (litellm: the text between the tags, and all after them, neither stripped)
+    thus send back what the proxy replied."""
+    return content if reasoning is None else f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{content}"
+
+
 def check_message(message: Any, index: int) -> Message:
     param = f"messages[{index}]"
     if not isinstance(message, dict):
@@ -159,6 +168,8 @@ def check_message(message: Any, index: int) -> Message:
         render["tool_calls"] = calls
     if reasoning:
         render["reasoning_content"] = reasoning
+    if role == "assistant":  # a think block in reasoning_content or in content: the same
+        return Message(render, (role, _as_written(content, reasoning), "", call_key))
     return Message(render, (role, content, reasoning or "", call_key))
 
 
@@ -176,8 +187,14 @@ class ChatRequest:
     seed: int | None
     stream: bool
     include_usage: bool
-    parse_calls: bool  # tool_choice "none": the output is returned as text
+    tool_choice: str = "auto"  # one of TOOL_CHOICES; a named function is "required"
+    forced_function: str | None = None  # the function a named tool_choice calls
     logprobs: bool = False  # return each sampled token's log-prob
+
+    @property
+    def parse_calls(self) -> bool:
+        """Whether calls become ``tool_calls`` (``tool_choice: "none"``: all is text)."""
+        return self.tool_choice != "none"
 
 
 def _number(body: dict, name: str) -> float | None:
@@ -253,6 +270,32 @@ def _tools(body: dict) -> list[dict] | None:
     return tools
 
 
+def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[str, str | None]:
+    """``(tool_choice, forced function)``: one of :data:`TOOL_CHOICES`, and for a named
+    function ``("required", its name)``, which must be one of ``tools``."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto", None
+    names = [t["function"]["name"] for t in tools or []]
+    if choice in TOOL_CHOICES:
+        if choice == "required" and not names:
+            raise _bad("tool_choice \"required\" needs tools to call; none were given",
+                       "tool_choice")
+        return choice, None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function"
+            and isinstance(name, str)):
+        raise _bad(f"tool_choice must be \"auto\", \"none\", \"required\" or a named function "
+                   f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}} (on /responses "
+                   f"{{\"type\": \"function\", \"name\": ...}}), got {json.dumps(choice)[:200]}",
+                   "tool_choice")
+    if name not in names:
+        raise _bad(f"tool_choice names function {name!r}, which is not one of the tools "
+                   f"({', '.join(map(repr, names)) or 'none were given'})", "tool_choice")
+    return "required", name
+
+
 def parse_request(body: Any, sampling: SamplingParams) -> ChatRequest:
     """Check a ``/chat/completions`` body against the run's ``sampling``; raises
     :class:`ProxyError` (400) naming the offending parameter."""
@@ -268,10 +311,7 @@ def parse_request(body: Any, sampling: SamplingParams) -> ChatRequest:
                    "assistant turn after user or tool messages (no assistant prefill)",
                    f"messages[{len(raw) - 1}]")
     tools = _tools(body)
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "auto", "none"):
-        raise _bad("tool_choice must be \"auto\" or \"none\": the proxy does not force calls "
-                   "(that would change the run's sampling)", "tool_choice", "unsupported_value")
+    tool_choice, forced_function = _tool_choice(body, tools)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise _bad(f"seed must be an integer, got {seed!r}", "seed")
@@ -290,7 +330,7 @@ def parse_request(body: Any, sampling: SamplingParams) -> ChatRequest:
     return ChatRequest(messages, tools, json.dumps(tools, sort_keys=True) if tools else "",
                        _max_tokens(body, sampling), _stop(body),
                        None if seed is None else seed % (2 ** 63), bool(stream),
-                       bool(options.get("include_usage")), tool_choice != "none",
+                       bool(options.get("include_usage")), tool_choice, forced_function,
                        bool(logprobs))
 
 
@@ -377,17 +417,39 @@ def _call_spans(text: str, calls) -> list[tuple[int, int]]:
     return spans
 
 
+def forced_ids(chat_format: ChatFormat, request: ChatRequest) -> list[int]:
+    """The ids a forced ``tool_choice`` puts after the generation prompt, as template (the
+    model continues them; they are not its actions): ``<tool_call>`` for ``"required"``; for a
+    named function the call's head up to its arguments, cut where the tokenizer splits the
+    whole call as the template renders it (so they are the ids of a model writing that call,
+    and the name's closing quote is in them when the tokenizer splits after it)."""
+    if request.tool_choice != "required":
+        return []
+    if request.forced_function is None:
+        return [chat_format.token_ids[TOOL_CALL_OPEN]]
+    call = tool_call_text(request.forced_function, {})
+    head = call[:call.rindex("{}")]  # <tool_call>\n{"name": "NAME", "arguments":_
+    ids = chat_format.encode(call)
+    kept = 1  # <tool_call>, an added token: always its own id
+    while kept < len(ids) and head.startswith(chat_format.decode(ids[:kept + 1])):
+        kept += 1
+    return ids[:kept]
+
+
 def make_reply(chat_format: ChatFormat, ids: list[int], logprobs: list[float],
-               finish_reason: str, request: ChatRequest, call_id) -> Reply:
-    """The assistant message for sampled ``ids``: valid ``<tool_call>`` blocks become OpenAI
-    ``tool_calls`` (ids from ``call_id(k)``), everything else (malformed blocks included) is
-    the content, so the harness sees what the model wrote."""
+               finish_reason: str, request: ChatRequest, call_id,
+               forced: Sequence[int] = ()) -> Reply:
+    """The assistant message for sampled ``ids`` after the ``forced`` ones
+    (:func:`forced_ids`; their text begins the output): valid ``<tool_call>`` blocks become
+    OpenAI ``tool_calls`` (ids from ``call_id(k)``), everything else (malformed blocks
+    included) is the content, so the harness sees what the model wrote."""
     cut = cut_at_stop(chat_format, ids, request.stop)
     if cut is not None:
         kept, text = cut
         ids, logprobs, finish_reason = ids[:kept], logprobs[:kept], "stop"
     else:
         text = chat_format.decode(ids[:-1] if ids and ids[-1] == chat_format.im_end_id else ids)
+    text = chat_format.decode(forced) + text
     calls = parse_tool_calls(text) if request.parse_calls else []
     tool_calls, content = [], text
     if any(c.ok for c in calls):
@@ -412,11 +474,13 @@ def make_reply(chat_format: ChatFormat, ids: list[int], logprobs: list[float],
 @dataclass(frozen=True)
 class Plan:
     """How a request enters its session: ``extend`` the current sub-trace with ``context`` ids,
-    or start a new sub-trace from them; ``prompt`` is what the model continues."""
+    or start a new sub-trace from them; ``prompt`` is what the model continues. Both end with
+    the ``forced`` ids of the request's ``tool_choice`` (:func:`forced_ids`)."""
 
     extend: bool
     context: list[int]
     prompt: list[int]
+    forced: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -441,11 +505,13 @@ class Session:
 
     def plan(self, request: ChatRequest, chat_format: ChatFormat) -> Plan:
         renders = [m.render for m in request.messages]
+        forced = forced_ids(chat_format, request)
         if self.extends(request):
-            new = chat_format.render_ids(renders[len(self.held):], None, add_generation_prompt=True)
-            return Plan(True, new, self.trajectory.current.ids + new)
-        fresh = chat_format.render_ids(renders, request.tools, add_generation_prompt=True)
-        return Plan(False, fresh, fresh)
+            new = chat_format.render_ids(renders[len(self.held):], None,
+                                         add_generation_prompt=True) + forced
+            return Plan(True, new, self.trajectory.current.ids + new, forced)
+        fresh = chat_format.render_ids(renders, request.tools, add_generation_prompt=True) + forced
+        return Plan(False, fresh, fresh, forced)
 
     def commit(self, plan: Plan, request: ChatRequest, reply: Reply, chat_format: ChatFormat,
                version: int) -> None:

@@ -9,6 +9,7 @@ prefix of the text only while it is certain to begin the final content, and
 character or a merge may still change it), anything from the first ``<tool_call>`` (or a
 partial one) on, anything from where a stop string starts (or may start), trailing whitespace,
 and all of a text that starts with whitespace (stripped or not, depending on what follows).
+A reply whose ``tool_choice`` forced a call is all held: its ids continue the call's head.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class ContentStream:
     before it, as vLLM's detokenizer does), so a long reply costs linear time."""
 
     def __init__(self, chat_format: ChatFormat, stop: Sequence[str] = (),
-                 parse_calls: bool = True):
+                 parse_calls: bool = True, forced_call: bool = False):
         self.chat_format = chat_format
         self.markers = [*stop, *([TOOL_CALL_OPEN] if parse_calls else [])]
         self.ids: list[int] = []
@@ -44,7 +45,9 @@ class ContentStream:
         self._context = 0  # ids[_context:_read] are decoded again before the new ones
         self._read = 0
         self.sent = ""
-        self.held = False  # for good, until the end: a marker came, or leading whitespace
+        # For good, until the end: a marker came, or leading whitespace, or the reply opens
+        # inside a call the request forced (its ids continue the call's head, not content).
+        self.held = forced_call
 
     def _decode_new(self) -> None:
         """Extend :attr:`text` by the new ids but the last (whose text may still change), once
