@@ -82,11 +82,11 @@ def _system_mounts() -> list[str]:
         if os.path.islink(path):  # merged /usr: /bin -> usr/bin
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
-            args += [bind, path, path]
+            args += ["--ro-bind", path, path]
     return args
 
 
-def _read_only_mounts(paths: Iterable[str], made: set[str], bind: str = "--ro-bind") -> list[str]:
+def _bind_mounts(paths: Iterable[str], made: set[str], bind: str = "--ro-bind") -> list[str]:
     """Read-only binds (``bind="--bind"``: writable ones) at their own paths. bwrap makes missing
     parents mode 0700, which an unprivileged uid cannot cross, so each parent is made first as
     0755 (and stays empty)."""
@@ -145,7 +145,7 @@ def bwrap_command(bwrap: str, inner: list[str], *, uid: int, cwd: str | None,
         "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
     # After /tmp, so that a directory under the host's /tmp is not hidden by the fresh tmpfs.
     made = {"/tmp", "/dev", "/dev/shm", "/proc"}
-    args += _read_only_mounts(_outermost(paths), made)
-    args += _read_only_mounts(_outermost(writable), made, bind="--bind")
+    args += _bind_mounts(_outermost(paths), made)
+    args += _bind_mounts(_outermost(writable), made, bind="--bind")
     args += ["--remount-ro", "/", "--chdir", os.path.realpath(cwd) if cwd is not None else "/tmp"]
     return args + ["--", *inner]
