@@ -10,10 +10,12 @@ rollout, so concurrent rollouts never share a session), lets the environment run
 (its harness, tools and rubric), then ``POST``s ``/sessions/{id}/finish`` with the episode's
 reward. One JSON line per rollout goes to stdout, as it finishes::
 
-    {"session": id, "task_id": ..., "sample": s, "reward": r, "error": null | "..."}
+    {"session": id, "task_id": ..., "task_index": i, "sample": s, "reward": r, "error": null}
 
-and a line ``{"session": id, "task_id": ..., "sample": s, "started": true}`` when its session is
-made, so the caller can close what a crash left open. verifiers' own logs go to stderr.
+(``error`` a message when verifiers failed the episode), and a line with ``"started": true``
+instead of the outcome when its session is made, so the caller can close what a crash left
+open. ``task_index`` is the task's position in this run; ``--skip`` wraps around the taskset.
+verifiers' own logs go to stderr.
 
     python verifiers_runner.py --proxy http://127.0.0.1:8000 --env-id vf-lookup \\
         --env-path examples/verifiers_env --tasks 2 --samples 2 --max-turns 4
@@ -34,6 +36,10 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+# Run by path, this file's folder is sys.path[0], where the trainer-side driver verifiers.py
+# would shadow the verifiers package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1"}
@@ -57,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--harness", default="null",
                         help="verifiers harness id (default null: its tool-calling chat loop)")
     parser.add_argument("--model", default="policy")
-    parser.add_argument("--skip", type=int, default=0, help="tasks to skip first")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="tasks to skip first (wraps around the taskset)")
     parser.add_argument("--tasks", type=int, required=True, help="tasks to run")
     parser.add_argument("--samples", type=int, default=1, help="rollouts per task")
     parser.add_argument("--max-turns", type=int, default=8)
@@ -164,7 +171,7 @@ def emit(line: dict) -> None:
     print(json.dumps(line), flush=True)
 
 
-async def run_rollout(env, task, sample: int, args: argparse.Namespace,
+async def run_rollout(env, task, index: int, sample: int, args: argparse.Namespace,
                       gate: asyncio.Semaphore) -> None:
     from verifiers.v1 import EvalClientConfig, ModelContext
     from verifiers.v1.env import RunSlot
@@ -173,7 +180,7 @@ async def run_rollout(env, task, sample: int, args: argparse.Namespace,
     async with gate:
         session = (await asyncio.to_thread(post, f"{args.proxy}/sessions",
                                            {"task_id": task_id, "sample_index": sample}))["id"]
-        line = {"session": session, "task_id": task_id, "sample": sample}
+        line = {"session": session, "task_id": task_id, "task_index": index, "sample": sample}
         emit({**line, "started": True})
         client = EvalClientConfig(base_url=f"{args.proxy}/s/{session}/v1",
                                   api_key_var=API_KEY_VAR)
@@ -189,14 +196,15 @@ async def run_rollout(env, task, sample: int, args: argparse.Namespace,
 
 async def run(args: argparse.Namespace) -> None:
     env = load_env(args)
-    tasks = list(env.taskset.skip(args.skip).take(args.tasks))
-    if len(tasks) < args.tasks:
-        raise SystemExit(f"--skip {args.skip} --tasks {args.tasks}: taskset {args.env_id!r} "
-                         f"has only {args.skip + len(tasks)} tasks")
+    every = list(env.taskset.take(args.skip + args.tasks))
+    if not every:
+        raise SystemExit(f"taskset {args.env_id!r} has no tasks")
+    tasks = [every[(args.skip + i) % len(every)] for i in range(args.tasks)]
     gate = asyncio.Semaphore(args.concurrency)
     async with env.serving():
-        await asyncio.gather(*(run_rollout(env, task, sample, args, gate)
-                               for task in tasks for sample in range(args.samples)))
+        await asyncio.gather(*(run_rollout(env, task, index, sample, args, gate)
+                               for index, task in enumerate(tasks)
+                               for sample in range(args.samples)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,7 @@ class LookupTask(vf.Task[LookupData]):
 
     @vf.reward(weight=0.2)
     async def concise(self, trace: vf.Trace) -> float:
-        return max(0.0, 1.0 - len(trace.last_reply) / 100)
+        return 1.0 / (1.0 + len(trace.last_reply) / 50)
 
 
 class LookupTasksetConfig(vf.TasksetConfig):

@@ -1,0 +1,153 @@
+"""A verifiers 0.4 environment trained through the proxy (side environment "verifiers", built by
+tools/setup_test_env.sh; under CI=true a missing one fails, elsewhere the tests skip).
+
+The environment is ``examples/verifiers_env`` (taskset ``vf-lookup``: a local JSON-lines
+dataset, a shared MCP Toolset with a ``lookup`` tool, a two-part rubric). verifiers runs its own
+rollouts (its ``null`` harness, the bundled tool-calling chat loop) in the side environment's
+Python, against a real proxy on 127.0.0.1 in front of a tiny Qwen3 built in code: one session
+per rollout, finished with verifiers' reward. Checked: the trajectories come back in (task,
+sample) order with the rubric's reward recomputed from what the model wrote, the model was shown
+the task and the toolset's tool, and a PPO and a GRPO step train on them token-exactly; a bad
+environment id fails naming it, and a runner killed mid-rollout leaves trajectories with an
+error, not open sessions.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl_fast.config import RolloutConfig, SamplingParams
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer
+from agentrl_fast.harness import ChatFormat
+from agentrl_fast.integrations import verifiers as vf_driver
+from agentrl_fast.models.tiny import tiny_qwen3
+from agentrl_fast.proxy import Proxy, ProxyServer
+from agentrl_fast.train import TrainConfig, Trainer
+from agentrl_fast.train.proxy_driver import proxy_for, train_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_envs import ROOT, side_env_python  # noqa: E402
+
+ENV_PATH = ROOT / "examples" / "verifiers_env"
+CODES = {"t0": "4417", "t1": "9023"}  # examples/verifiers_env/vf_lookup/tools.py
+MISMATCH = 1e-4  # the proxy tests' log-prob tolerance: token in, token out
+
+
+@pytest.fixture(scope="module")
+def python() -> Path:
+    return side_env_python("verifiers")
+
+
+@pytest.fixture(scope="module")
+def world():
+    env = VaultEnvironment()  # the trainer's own tasks; the rollouts are verifiers'
+    return env, ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
+
+
+def trainer_for(world, algo: str) -> Trainer:
+    env, chat = world
+    rollout = RolloutConfig(samples_per_task=2, context_budget=1024, max_turns=3,
+                            sampling=SamplingParams(temperature=1.0, max_new_tokens=24))
+    config = TrainConfig(algo=algo, tasks_per_step=2, mini_batches=1, micro_batch_tokens=4096,
+                         rollout=rollout, seed=1)
+    return Trainer(tiny_qwen3(len(chat.tokenizer), seed=0), chat, env, config,
+                   log=lambda *a: None)
+
+
+def expected_reward(reply: str, code: str) -> float:
+    """vf_lookup's rubric: exact code (weight 1) + concision (weight 0.2)."""
+    return float(reply == code) + 0.2 / (1.0 + len(reply) / 50)
+
+
+def test_verifiers_rollouts_train_ppo_and_grpo(python, world):
+    ppo, grpo = trainer_for(world, "ppo"), trainer_for(world, "grpo")
+    proxy = proxy_for(ppo)
+    with ProxyServer(proxy) as server:
+        start = time.monotonic()
+        trajectories = vf_driver.collect(server, python, "vf-lookup", tasks=2, samples=2,
+                                         env_paths=[ENV_PATH], max_turns=3)
+        seconds = time.monotonic() - start
+    proxy.close()
+    assert [(t.task_id, t.sample_index) for t in trajectories] == [
+        ("t0", 0), ("t0", 1), ("t1", 0), ("t1", 1)], seconds
+    assert all(t.error is None for t in trajectories), [t.error for t in trajectories]
+    chat = world[1]
+    for t in trajectories:
+        first = t.sub_traces[0]
+        prompt = chat.tokenizer.decode(first.ids[:first.action_mask.index(1)])
+        assert "Find the code with the lookup tool" in prompt  # the task's system prompt
+        assert "What is the code of vault" in prompt
+        assert '"name": "lookup"' in prompt  # the Toolset's tool, advertised through MCP
+        last = t.sub_traces[-1]
+        reply = chat.tokenizer.decode([i for i, a in zip(last.ids, last.action_mask) if a],
+                                      skip_special_tokens=True).strip()
+        assert t.reward == pytest.approx(expected_reward(reply, CODES[t.task_id]), abs=1e-6)
+    assert len({t.reward for t in trajectories[:2]}) == 2  # a group GRPO can learn from
+
+    for trainer in (ppo, grpo):
+        before = copy.deepcopy(trainer.policy.state_dict())
+        metrics = train_step(trainer, proxy, trajectories)
+        assert metrics["reward"] == pytest.approx(sum(t.reward for t in trajectories) / 4)
+        assert metrics["logprob_mismatch_max"] < MISMATCH, metrics
+        changed = [k for k, v in trainer.policy.state_dict().items()
+                   if not torch.equal(v, before[k])]
+        assert changed, f"{trainer.config.algo}: the step changed no weight"
+
+
+def test_unknown_environment_fails_naming_it(python, world):
+    proxy = proxy_for(trainer_for(world, "grpo"))
+    with ProxyServer(proxy) as server, pytest.raises(RuntimeError, match="vf-nowhere"):
+        vf_driver.collect(server, python, "vf-nowhere", tasks=1, env_paths=[ENV_PATH])
+    proxy.close()
+
+
+@pytest.mark.parametrize("field, value", [("tasks", 0), ("samples", -1), ("max_turns", 1.5)])
+def test_bad_arguments_name_the_argument(python, field, value):
+    options = {"tasks": 1, field: value}
+    with pytest.raises(ValueError, match=field):
+        vf_driver.runner_command(python, "http://127.0.0.1:1", "vf-lookup", **options)
+
+
+def test_missing_side_environment_python_is_named(tmp_path):
+    with pytest.raises(ValueError, match="setup_test_env.sh verifiers"):
+        vf_driver.runner_command(tmp_path / "python", "http://127.0.0.1:1", "vf-lookup",
+                                 tasks=1)
+
+
+class Held:
+    """The real generator, each call held until ``release`` is set: rollouts stay open."""
+
+    def __init__(self, inner):
+        self.inner, self.release = inner, threading.Event()
+        self.max_batch_size = inner.max_batch_size
+
+    def generate(self, prompts, sampling, seeds=None, on_tokens=None):
+        self.release.wait(60)
+        return self.inner.generate(prompts, sampling, seeds, on_tokens=on_tokens)
+
+    def update_weights(self, model):
+        self.inner.update_weights(model)
+
+
+def test_a_runner_killed_mid_rollout_leaves_errors_not_open_sessions(python, world):
+    trainer = trainer_for(world, "grpo")
+    held = Held(trainer.engine.generator)  # every completion waits: killed mid-rollout
+    proxy = Proxy(held, trainer.chat_format, trainer.config.rollout.sampling,
+                  context_budget=1024)
+    timeout = 20.0
+    releaser = threading.Timer(timeout + 1, held.release.set)
+    releaser.start()
+    with ProxyServer(proxy) as server:
+        trajectories = vf_driver.collect(server, python, "vf-lookup", tasks=1, samples=2,
+                                         env_paths=[ENV_PATH], timeout=timeout)
+    releaser.cancel()
+    proxy.close()
+    assert [t.sample_index for t in trajectories] == [0, 1]
+    assert all("killed" in (t.error or "") for t in trajectories), [t.error for t in trajectories]
