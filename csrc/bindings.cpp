@@ -11,12 +11,12 @@
 TORCH_LIBRARY(agentrl_fast, m) {
   m.def(
       "gae(Tensor rewards, Tensor values, Tensor cu_seqlens, Tensor? action_mask=None, "
-      "Tensor? bootstrap_values=None, float gamma=1.0, float lam=1.0, bool validate=True) "
-      "-> (Tensor advantages, Tensor returns)");
+      "Tensor? bootstrap_values=None, float gamma=1.0, float lam=1.0, bool validate=True, "
+      "Tensor? sequence_lam=None) -> (Tensor advantages, Tensor returns)");
   m.def(
       "gae_out(Tensor rewards, Tensor values, Tensor cu_seqlens, Tensor? action_mask, "
       "Tensor? bootstrap_values, float gamma, float lam, bool validate, Tensor(a!) advantages, "
-      "Tensor(b!) returns) -> ()");
+      "Tensor(b!) returns, Tensor? sequence_lam=None) -> ()");
   // Tests only: the CUDA GAE kernel's look-back run by host threads (gae_lookback_emulation.cpp).
   m.def(
       "_gae_lookback_emulation(Tensor rewards, Tensor values, Tensor cu_seqlens, "
@@ -45,9 +45,10 @@ namespace {
 void gae_out_op(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& cu_seqlens,
                 const std::optional<at::Tensor>& action_mask,
                 const std::optional<at::Tensor>& bootstrap_values, double gamma, double lam,
-                bool validate, at::Tensor advantages, at::Tensor returns) {
+                bool validate, at::Tensor advantages, at::Tensor returns,
+                const std::optional<at::Tensor>& sequence_lam) {
   agentrl_fast::gae_out(rewards, values, cu_seqlens, action_mask, bootstrap_values, gamma, lam,
-                        validate, advantages, returns);
+                        validate, advantages, returns, sequence_lam);
 }
 
 void varlen_attention_cpu_out_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

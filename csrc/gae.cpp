@@ -56,15 +56,30 @@ void check_per_token(const at::Tensor& t, const char* name, int64_t num_tokens,
 }
 
 struct CheckedArgs {
-  at::Tensor rewards, values, cu_seqlens, action_mask, bootstrap_values;
+  at::Tensor rewards, values, cu_seqlens, action_mask, bootstrap_values, sequence_lam;
   at::ScalarType output_dtype;
 };
+
+// A per-sequence float tensor ([B]) in the dtype the kernels read it in: float64 on the CPU
+// (which accumulates in float64), the output dtype on CUDA.
+at::Tensor per_sequence(const at::Tensor& t, const char* name, int64_t num_sequences,
+                        const at::Device& device, at::ScalarType output_dtype) {
+  TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), name,
+                   " must be float32, float64, float16 or bfloat16, got ",
+                   dtype_name(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == num_sequences, name,
+                    " must be 1-D [B] with B = len(cu_seqlens) - 1 = ", num_sequences,
+                    ", got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, " like rewards, got ",
+                    t.device());
+  return t.to(device.is_cpu() ? at::kDouble : output_dtype).contiguous();
+}
 
 CheckedArgs check_gae_args(const at::Tensor& rewards, const at::Tensor& values,
                            const at::Tensor& cu_seqlens,
                            const std::optional<at::Tensor>& action_mask,
                            const std::optional<at::Tensor>& bootstrap_values, double gamma,
-                           double lam) {
+                           double lam, const std::optional<at::Tensor>& sequence_lam) {
   TORCH_CHECK_TYPE(is_supported_float(rewards.scalar_type()),
                    "rewards must be float32, float64, float16 or bfloat16, got ",
                    dtype_name(rewards.scalar_type()));
@@ -108,18 +123,12 @@ CheckedArgs check_gae_args(const at::Tensor& rewards, const at::Tensor& values,
     out.action_mask = action_mask->contiguous();
   }
   if (bootstrap_values.has_value() && bootstrap_values->defined()) {
-    const at::Tensor& boot = *bootstrap_values;
-    TORCH_CHECK_TYPE(is_supported_float(boot.scalar_type()),
-                     "bootstrap_values must be float32, float64, float16 or bfloat16, got ",
-                     dtype_name(boot.scalar_type()));
-    TORCH_CHECK_VALUE(boot.dim() == 1 && boot.size(0) == num_sequences,
-                      "bootstrap_values must be 1-D [B] with B = len(cu_seqlens) - 1 = ",
-                      num_sequences, ", got shape ", boot.sizes());
-    TORCH_CHECK_VALUE(boot.device() == device, "bootstrap_values must be on ", device,
-                      " like rewards, got ", boot.device());
-    // The CPU kernel accumulates in float64; the CUDA kernel in its output dtype.
-    const at::ScalarType boot_dtype = device.is_cpu() ? at::kDouble : out.output_dtype;
-    out.bootstrap_values = boot.to(boot_dtype).contiguous();
+    out.bootstrap_values = per_sequence(*bootstrap_values, "bootstrap_values", num_sequences,
+                                        device, out.output_dtype);
+  }
+  if (sequence_lam.has_value() && sequence_lam->defined()) {
+    out.sequence_lam =
+        per_sequence(*sequence_lam, "lam", num_sequences, device, out.output_dtype);
   }
   return out;
 }
@@ -132,8 +141,9 @@ at::Tensor first_true(const at::Tensor& flags) {
 
 // Probes read by the value checks, each an index (-1: fine) or a value:
 // [cu_seqlens[0], cu_seqlens[-1], first i with cu[i] > cu[i+1], first non-finite reward,
-//  first non-finite value, first non-finite bootstrap, first reward on a non-action token].
-constexpr int kNumProbes = 7;
+//  first non-finite value, first non-finite bootstrap, first reward on a non-action token,
+//  first sequence whose lambda is outside [0, 1] (NaN included)].
+constexpr int kNumProbes = 8;
 
 // On the device: ATen ops, gathered into one small tensor copied to the host once.
 at::Tensor value_probes_device(const CheckedArgs& args, const at::Tensor& raw_bootstrap) {
@@ -150,6 +160,9 @@ at::Tensor value_probes_device(const CheckedArgs& args, const at::Tensor& raw_bo
   probes.push_back(args.action_mask.defined()
                        ? first_true(args.rewards.ne(0).logical_and(args.action_mask.logical_not()))
                        : none);
+  const at::Tensor& lam = args.sequence_lam;
+  probes.push_back(lam.defined() ? first_true(lam.ge(0).logical_and(lam.le(1)).logical_not())
+                                 : none);
   return at::stack(probes).cpu();
 }
 
@@ -172,6 +185,15 @@ at::Tensor value_probes_cpu(const CheckedArgs& args) {
     for (int64_t b = 0; b < args.bootstrap_values.size(0); ++b) {
       if (!std::isfinite(boot[b])) {
         p[5] = b;
+        break;
+      }
+    }
+  }
+  if (args.sequence_lam.defined()) {
+    const double* lam = args.sequence_lam.data_ptr<double>();
+    for (int64_t b = 0; b < args.sequence_lam.size(0); ++b) {
+      if (!(lam[b] >= 0.0 && lam[b] <= 1.0)) {  // NaN fails both
+        p[7] = b;
         break;
       }
     }
@@ -236,6 +258,10 @@ void validate_gae_values(const CheckedArgs& args, const at::Tensor& raw_bootstra
                     args.rewards[p[6] < 0 ? 0 : p[6]].item<double>(),
                     " but action_mask[", p[6], "] is False; put each reward on an action token ",
                     "(e.g. the last token the policy sampled in that turn)");
+  TORCH_CHECK_VALUE(p[7] < 0, "lam must be in [0, 1] for every sequence, got ",
+                    args.sequence_lam.defined()
+                        ? args.sequence_lam[p[7] < 0 ? 0 : p[7]].item<double>() : 0.0,
+                    " at sequence ", p[7]);
 }
 
 void check_output(const at::Tensor& out, const char* name, int64_t num_tokens,
@@ -254,14 +280,14 @@ void run_kernel(const CheckedArgs& args, double gamma, double lam, at::Tensor& a
   if (args.rewards.is_cuda()) {
 #ifdef AGENTRL_FAST_WITH_CUDA
     gae_cuda_kernel(args.rewards, args.values, args.cu_seqlens, args.action_mask,
-                    args.bootstrap_values, gamma, lam, advantages, returns);
+                    args.bootstrap_values, gamma, lam, args.sequence_lam, advantages, returns);
     return;
 #else
     TORCH_CHECK(false, "agentrl_fast was built without CUDA; rebuild with AGENTRL_FAST_CUDA=1");
 #endif
   }
   gae_cpu_kernel(args.rewards, args.values, args.cu_seqlens, args.action_mask,
-                 args.bootstrap_values, gamma, lam, advantages, returns);
+                 args.bootstrap_values, gamma, lam, args.sequence_lam, advantages, returns);
 }
 
 }  // namespace
@@ -273,9 +299,10 @@ at::ScalarType gae_output_dtype(at::ScalarType input_dtype) {
 void gae_out(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& cu_seqlens,
              const std::optional<at::Tensor>& action_mask,
              const std::optional<at::Tensor>& bootstrap_values, double gamma, double lam,
-             bool validate, at::Tensor& advantages, at::Tensor& returns) {
-  CheckedArgs args =
-      check_gae_args(rewards, values, cu_seqlens, action_mask, bootstrap_values, gamma, lam);
+             bool validate, at::Tensor& advantages, at::Tensor& returns,
+             const std::optional<at::Tensor>& sequence_lam) {
+  CheckedArgs args = check_gae_args(rewards, values, cu_seqlens, action_mask, bootstrap_values,
+                                    gamma, lam, sequence_lam);
   check_output(advantages, "advantages", rewards.size(0), args.output_dtype, rewards.device());
   check_output(returns, "returns", rewards.size(0), args.output_dtype, rewards.device());
   TORCH_CHECK_VALUE(rewards.size(0) == 0 || !advantages.is_same(returns),
@@ -290,9 +317,10 @@ std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tens
                                        const at::Tensor& cu_seqlens,
                                        const std::optional<at::Tensor>& action_mask,
                                        const std::optional<at::Tensor>& bootstrap_values,
-                                       double gamma, double lam, bool validate) {
-  CheckedArgs args =
-      check_gae_args(rewards, values, cu_seqlens, action_mask, bootstrap_values, gamma, lam);
+                                       double gamma, double lam, bool validate,
+                                       const std::optional<at::Tensor>& sequence_lam) {
+  CheckedArgs args = check_gae_args(rewards, values, cu_seqlens, action_mask, bootstrap_values,
+                                    gamma, lam, sequence_lam);
   if (validate) {
     validate_gae_values(args, bootstrap_values.has_value() ? *bootstrap_values : at::Tensor());
   }
@@ -320,9 +348,13 @@ struct Chunk {
 
 template <typename scalar_t, typename out_t>
 void gae_cpu_typed(const scalar_t* rewards, const scalar_t* values, const bool* mask,
-                   const double* boot, const int32_t* cu, int64_t num_sequences,
-                   int64_t num_tokens, double gamma, double lam, out_t* adv, out_t* ret) {
-  const double gamma_lam = gamma * lam;
+                   const double* boot, const double* sequence_lam, const int32_t* cu,
+                   int64_t num_sequences, int64_t num_tokens, double gamma, double lam,
+                   out_t* adv, out_t* ret) {
+  // gamma * lambda of a chunk's sequence.
+  auto gamma_lam_of = [&](const Chunk& c) {
+    return gamma * (sequence_lam == nullptr ? lam : sequence_lam[c.sequence]);
+  };
   std::vector<Chunk> chunks;
   chunks.reserve(num_sequences);
   int64_t previous_end = 0;
@@ -377,6 +409,7 @@ void gae_cpu_typed(const scalar_t* rewards, const scalar_t* values, const bool* 
     parallel_dynamic(num_chunks, [&](int64_t i) {
       const Chunk& c = chunks[i];
       if (c.first_of_sequence) return;
+      const double gamma_lam = gamma_lam_of(c);
       GaeMap<double> m = gae_identity_map<double>();
       for (int64_t t = c.end - 1; t >= c.begin; --t) {
         m = gae_compose(gae_token_map<double>(rewards[t], values[t], is_action(t), gamma,
@@ -402,6 +435,7 @@ void gae_cpu_typed(const scalar_t* rewards, const scalar_t* values, const bool* 
   // bound by instruction throughput, not memory).
   parallel_dynamic(num_chunks, [&](int64_t i) {
     const Chunk& c = chunks[i];
+    const double gamma_lam = gamma_lam_of(c);
     double vn = carry_v[i], an = carry_a[i];
     for (int64_t t = c.end - 1; t >= c.begin; --t) {
       const bool action = is_action(t);
@@ -419,19 +453,22 @@ void gae_cpu_typed(const scalar_t* rewards, const scalar_t* values, const bool* 
 void gae_cpu_kernel(const at::Tensor& rewards, const at::Tensor& values,
                     const at::Tensor& cu_seqlens, const at::Tensor& action_mask,
                     const at::Tensor& bootstrap_values, double gamma, double lam,
-                    at::Tensor& advantages, at::Tensor& returns) {
+                    const at::Tensor& sequence_lam, at::Tensor& advantages, at::Tensor& returns) {
   const bool* mask = action_mask.defined() ? action_mask.data_ptr<bool>() : nullptr;
   const double* boot = bootstrap_values.defined() ? bootstrap_values.data_ptr<double>() : nullptr;
+  const double* seq_lam = sequence_lam.defined() ? sequence_lam.data_ptr<double>() : nullptr;
   const int64_t num_sequences = cu_seqlens.size(0) - 1;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rewards.scalar_type(), "gae_cpu", [&] {
     if (advantages.scalar_type() == at::kDouble) {
       gae_cpu_typed<scalar_t, double>(rewards.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
-                                      mask, boot, cu_seqlens.data_ptr<int32_t>(), num_sequences,
+                                      mask, boot, seq_lam, cu_seqlens.data_ptr<int32_t>(),
+                                      num_sequences,
                                       rewards.size(0), gamma, lam,
                                       advantages.data_ptr<double>(), returns.data_ptr<double>());
     } else {
       gae_cpu_typed<scalar_t, float>(rewards.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
-                                     mask, boot, cu_seqlens.data_ptr<int32_t>(), num_sequences,
+                                     mask, boot, seq_lam, cu_seqlens.data_ptr<int32_t>(),
+                                     num_sequences,
                                      rewards.size(0), gamma, lam, advantages.data_ptr<float>(),
                                      returns.data_ptr<float>());
     }

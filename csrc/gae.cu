@@ -133,8 +133,9 @@ template <typename scalar_t, typename acc_t, typename out_t>
 __global__ void __launch_bounds__(kThreads)
     gae_scan_kernel(const scalar_t* __restrict__ rewards, const scalar_t* __restrict__ values,
                     const bool* __restrict__ action_mask, const acc_t* __restrict__ bootstrap,
-                    const int32_t* __restrict__ cu, int64_t num_sequences, int64_t num_tokens,
-                    acc_t gamma, acc_t gamma_lam, out_t* __restrict__ advantages,
+                    const acc_t* __restrict__ sequence_lam, const int32_t* __restrict__ cu,
+                    int64_t num_sequences, int64_t num_tokens, acc_t gamma, acc_t gamma_lam,
+                    out_t* __restrict__ advantages,
                     out_t* __restrict__ returns, GaeMap<acc_t>* tile_aggregate,
                     GaeMap<acc_t>* tile_inclusive, int* tile_flag, unsigned int* tile_ticket,
                     int64_t num_tiles) {
@@ -172,18 +173,26 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   // This thread's kItems consecutive tokens: their maps composed right to left. A token that
-  // ends its sequence gets the bootstrap map composed right of it.
+  // ends its sequence gets the bootstrap map composed right of it. Going right to left, a
+  // sequence end switches to that sequence's bootstrap and lambda (item_sequence[k] is the
+  // sequence token k ends); the tokens right of the last end belong to the sequence whose
+  // gamma * lambda is tail_gamma_lam. Indices, not values, are kept per token: registers.
   const int first = tid * kItems;
   const int64_t t0 = base + first;
   unsigned int end_bits = 0;
-  acc_t item_bootstrap[kItems];
+  int64_t item_sequence[kItems];
+  acc_t tail_gamma_lam = gamma_lam;
+  const auto bootstrap_of = [&](int64_t b) { return bootstrap == nullptr ? acc_t(0) : bootstrap[b]; };
+  const auto gamma_lam_of = [&](int64_t b) {
+    return sequence_lam == nullptr ? gamma_lam : gamma * sequence_lam[b];
+  };
   GaeMap<acc_t> thread_map = gae_identity_map<acc_t>();
   {
     int64_t b = t0 < num_tokens ? find_sequence(cu, num_sequences, t0) : num_sequences;
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
       const int64_t t = t0 + k;
-      item_bootstrap[k] = acc_t(0);
+      item_sequence[k] = 0;
       if (t >= num_tokens) continue;
       // Crossing boundaries: step, and search again after a few steps (a run of empty
       // sequences costs log B, not its length).
@@ -194,18 +203,23 @@ __global__ void __launch_bounds__(kThreads)
           break;
         }
       }
-      if (b >= 0 && b < num_sequences && t + 1 == static_cast<int64_t>(__ldg(cu + b + 1))) {
+      const bool inside = b >= 0 && b < num_sequences;
+      if (inside && t + 1 == static_cast<int64_t>(__ldg(cu + b + 1))) {
         end_bits |= 1u << k;
-        item_bootstrap[k] = bootstrap == nullptr ? acc_t(0) : bootstrap[b];
+        item_sequence[k] = b;
       }
-      if (b < 0 || b >= num_sequences) s_action[slot(first + k)] = 0;  // outside every sequence
+      if (!inside) s_action[slot(first + k)] = 0;  // outside every sequence
+      // The last token of the thread's in-range ones sets the tail (outside: no step at all).
+      tail_gamma_lam = inside ? gamma_lam_of(b) : gamma_lam;
     }
+    acc_t gl = tail_gamma_lam;
 #pragma unroll
     for (int k = kItems - 1; k >= 0; --k) {
       const int i = slot(first + k);
-      GaeMap<acc_t> m = gae_token_map<acc_t>(s_reward[i], s_value[i], s_action[i] != 0, gamma,
-                                             gamma_lam);
-      if (end_bits & (1u << k)) m = gae_compose(m, gae_bootstrap_map<acc_t>(item_bootstrap[k]));
+      const bool ends = end_bits & (1u << k);
+      if (ends) gl = gamma_lam_of(item_sequence[k]);
+      GaeMap<acc_t> m = gae_token_map<acc_t>(s_reward[i], s_value[i], s_action[i] != 0, gamma, gl);
+      if (ends) m = gae_compose(m, gae_bootstrap_map<acc_t>(bootstrap_of(item_sequence[k])));
       thread_map = gae_compose(m, thread_map);
     }
   }
@@ -249,16 +263,18 @@ __global__ void __launch_bounds__(kThreads)
   // shared memory (each thread touches only its own tokens) for coalesced stores.
   acc_t vn = s_carry_v, an = s_carry_a;
   gae_apply(gae_compose(exclusive, s_right_of_warp[warp]), vn, an);
+  acc_t gl = tail_gamma_lam;
 #pragma unroll
   for (int k = kItems - 1; k >= 0; --k) {
     const int i = slot(first + k);
     if (end_bits & (1u << k)) {
-      vn = item_bootstrap[k];
+      vn = bootstrap_of(item_sequence[k]);
       an = acc_t(0);
+      gl = gamma_lam_of(item_sequence[k]);
     }
     const bool action = s_action[i] != 0;
     const acc_t value = s_value[i];
-    const acc_t a = gae_step<acc_t>(s_reward[i], value, action, gamma, gamma_lam, vn, an);
+    const acc_t a = gae_step<acc_t>(s_reward[i], value, action, gamma, gl, vn, an);
     s_reward[i] = a;
     s_value[i] = action ? a + value : acc_t(0);
   }
@@ -278,7 +294,8 @@ __global__ void __launch_bounds__(kThreads)
 void gae_cuda_kernel(const at::Tensor& rewards, const at::Tensor& values,
                      const at::Tensor& cu_seqlens, const at::Tensor& action_mask,
                      const at::Tensor& bootstrap_values, double gamma, double lam,
-                     at::Tensor& advantages, at::Tensor& returns) {
+                     const at::Tensor& sequence_lam, at::Tensor& advantages,
+                     at::Tensor& returns) {
   const c10::cuda::CUDAGuard guard(rewards.device());
   const int64_t num_tokens = rewards.size(0);
   const int64_t num_sequences = cu_seqlens.size(0) - 1;
@@ -298,8 +315,9 @@ void gae_cuda_kernel(const at::Tensor& rewards, const at::Tensor& values,
     auto* aggregate = reinterpret_cast<GaeMap<acc_t>*>(states.data_ptr());
     const acc_t* boot =
         bootstrap_values.defined() ? bootstrap_values.data_ptr<acc_t>() : nullptr;
+    const acc_t* seq_lam = sequence_lam.defined() ? sequence_lam.data_ptr<acc_t>() : nullptr;
     gae_scan_kernel<scalar_t, acc_t, out_t><<<num_tiles, kThreads, 0, stream>>>(
-        rewards.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(), mask, boot,
+        rewards.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(), mask, boot, seq_lam,
         cu_seqlens.data_ptr<int32_t>(), num_sequences, num_tokens, static_cast<acc_t>(gamma),
         static_cast<acc_t>(gamma * lam), advantages.data_ptr<out_t>(),
         returns.data_ptr<out_t>(), aggregate, aggregate + num_tiles, flags.data_ptr<int>(),

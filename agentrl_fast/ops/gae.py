@@ -19,14 +19,14 @@ def _output_dtype(rewards: torch.Tensor, values: torch.Tensor) -> torch.dtype:
 
 @torch.library.register_fake("agentrl_fast::gae")
 def _gae_fake(rewards, values, cu_seqlens, action_mask=None, bootstrap_values=None, gamma=1.0,
-              lam=1.0, validate=True):
+              lam=1.0, validate=True, sequence_lam=None):
     out = rewards.new_empty(rewards.shape, dtype=_output_dtype(rewards, values))
     return out, torch.empty_like(out)
 
 
 @torch.library.register_fake("agentrl_fast::gae_out")
 def _gae_out_fake(rewards, values, cu_seqlens, action_mask, bootstrap_values, gamma, lam,
-                  validate, advantages, returns):
+                  validate, advantages, returns, sequence_lam=None):
     return None
 
 
@@ -38,7 +38,7 @@ def gae(
     action_mask: torch.Tensor | None = None,
     bootstrap_values: torch.Tensor | None = None,
     gamma: float = 1.0,
-    lam: float = 1.0,
+    lam: float | torch.Tensor = 1.0,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level GAE advantages and returns over a packed batch of sequences.
@@ -51,9 +51,12 @@ def gae(
         bootstrap_values: ``[B]`` float, the value after each sequence's last token (0 when
             the episode ended, the critic's value when a limit cut it, ``V`` at the first
             action token of the next sub-trace when compaction continued it); default zeros.
-        gamma, lam: discount and GAE lambda, in ``[0, 1]``.
+        gamma, lam: discount and GAE lambda, in ``[0, 1]``; ``lam`` may be a ``[B]`` float
+            tensor, one lambda per sequence (a length-adaptive lambda, :func:`adaptive_lam`),
+            in one call.
         validate: check values (monotonic ``cu_seqlens``, finite inputs, no rewards on
-            non-action tokens); costs one host sync on the GPU.
+            non-action tokens, a per-sequence ``lam`` in ``[0, 1]``); costs one host sync on
+            the GPU.
 
     Returns:
         ``(advantages, returns)``, each ``[T]``, float32 (float64 when an input is float64),
@@ -67,14 +70,32 @@ def gae(
     require_tensor("action_mask", action_mask, optional=True)
     require_tensor("bootstrap_values", bootstrap_values, optional=True)
     gamma = require_real("gamma", gamma)
+    sequence_lam = None
+    if isinstance(lam, torch.Tensor):
+        sequence_lam, lam = lam.detach(), 1.0
     lam = require_real("lam", lam)
     # Advantages are targets, never differentiated through.
     return torch.ops.agentrl_fast.gae(
         rewards.detach(), values.detach(), cu_seqlens,
         None if action_mask is None else action_mask.detach(),
         None if bootstrap_values is None else bootstrap_values.detach(),
-        gamma, lam, bool(validate),
+        gamma, lam, bool(validate), sequence_lam,
     )
+
+
+def adaptive_lam(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The length-adaptive lambda of VAPO (and CompactionRL): ``clamp(1 - 1 / (alpha * l), 0,
+    1)`` for each rollout's action-token count ``l`` (``lengths [B]``, int or float), float64
+    ``[B]``; a rollout with no action token gets 0. Pass it as :func:`gae`'s ``lam``."""
+    require_tensor("lengths", lengths)
+    alpha = require_real("alpha", alpha)
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha!r}")
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be 1-D [B], got shape {tuple(lengths.shape)}")
+    scaled = alpha * lengths.to(torch.float64)
+    lam = 1.0 - 1.0 / scaled.clamp(min=torch.finfo(torch.float64).tiny)
+    return lam.clamp(0.0, 1.0)
 
 
 def gae_padded(

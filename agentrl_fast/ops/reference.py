@@ -16,14 +16,15 @@ def gae_reference(
     action_mask: torch.Tensor | None = None,
     bootstrap_values: torch.Tensor | None = None,
     gamma: float = 1.0,
-    lam: float = 1.0,
+    lam: float | torch.Tensor = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over a packed batch, float64 ``(advantages[T], returns[T])`` on the CPU.
 
     Within each sequence only action tokens are steps: for action token ``t`` with next action
     token ``n``, ``delta = r_t + gamma * V_n - V_t`` and ``A_t = delta + gamma * lam * A_n``;
     the last action token uses the sequence's bootstrap value and ``A = 0``. Returns are
-    ``A + V`` on action tokens; both are 0 elsewhere.
+    ``A + V`` on action tokens; both are 0 elsewhere. ``lam`` may be ``[B]``: sequence ``b``
+    uses ``lam[b]``.
     """
     r = rewards.detach().to("cpu", torch.float64).tolist()
     v = values.detach().to("cpu", torch.float64).tolist()
@@ -32,9 +33,12 @@ def gae_reference(
     mask = [True] * num_tokens if action_mask is None else action_mask.detach().cpu().tolist()
     boot = [0.0] * (len(cu) - 1) if bootstrap_values is None else (
         bootstrap_values.detach().to("cpu", torch.float64).tolist())
+    lams = (lam.detach().to("cpu", torch.float64).tolist() if isinstance(lam, torch.Tensor)
+            else [float(lam)] * (len(cu) - 1))
     advantages = [0.0] * num_tokens
     returns = [0.0] * num_tokens
     for b in range(len(cu) - 1):
+        lam = lams[b]
         next_value, next_advantage = boot[b], 0.0
         for t in range(cu[b + 1] - 1, cu[b] - 1, -1):
             if not mask[t]:
