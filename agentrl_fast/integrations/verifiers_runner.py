@@ -141,6 +141,8 @@ def post(url: str, body: dict) -> dict:
             return json.loads(reply.read())
     except urllib.error.HTTPError as error:
         raise RuntimeError(f"POST {url}: {error.code} {error.read().decode()[:500]}") from None
+    except urllib.error.URLError as error:
+        raise RuntimeError(f"POST {url}: cannot reach the proxy ({error.reason})") from None
 
 
 def load_env(args: argparse.Namespace):
