@@ -7,14 +7,16 @@ rollouts (its ``null`` harness, the bundled tool-calling chat loop) in the side 
 Python, against a real proxy on 127.0.0.1 in front of a tiny Qwen3 built in code: one session
 per rollout, finished with verifiers' reward. Checked: the trajectories come back in (task,
 sample) order with the rubric's reward recomputed from what the model wrote, the model was shown
-the task and the toolset's tool, and a PPO and a GRPO step train on them token-exactly; a bad
-environment id fails naming it, and a runner killed mid-rollout leaves trajectories with an
-error, not open sessions.
+the task and the toolset's tool, and a PPO and a GRPO step train on them token-exactly; a
+scripted expert's ``lookup`` call runs through verifiers' MCP tool server and its next turn
+extends the session (one sub-trace); a bad environment id fails naming it, and a runner killed
+mid-rollout leaves trajectories with an error, not open sessions.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 import sys
 import threading
 import time
@@ -25,6 +27,7 @@ import torch
 
 from agentrl_fast.config import RolloutConfig, SamplingParams
 from agentrl_fast.envs import VaultEnvironment, build_tokenizer
+from agentrl_fast.generators.scripted import ScriptedGenerator
 from agentrl_fast.harness import ChatFormat
 from agentrl_fast.integrations import verifiers as vf_driver
 from agentrl_fast.models.tiny import tiny_qwen3
@@ -124,6 +127,32 @@ def assert_trained(trainer: Trainer, before: dict, metrics: dict) -> None:
     assert metrics["logprob_mismatch_max"] < MISMATCH, metrics
     changed = [k for k, v in trainer.policy.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, f"{trainer.config.algo}: the step changed no weight"
+
+
+def lookup_expert(context: str) -> str:
+    """A scripted policy for vf-lookup: call ``lookup`` for the vault asked about, then answer
+    with what the tool returned."""
+    results = re.findall(r"<tool_response>\s*(.*?)\s*</tool_response>", context, re.S)
+    if results:
+        return results[-1]
+    vault = re.findall(r"code of vault (\w+)\?", context)[-1]
+    return '<tool_call>{"name": "lookup", "arguments": {"vault": "%s"}}</tool_call>' % vault
+
+
+def test_a_tool_call_runs_through_the_verifiers_toolset(python, world):
+    chat = world[1]
+    proxy = Proxy(ScriptedGenerator(lookup_expert, chat), chat,
+                  SamplingParams(temperature=1.0, max_new_tokens=64), context_budget=1024)
+    with ProxyServer(proxy) as server:
+        trajectories = vf_driver.collect(server, python, "vf-lookup", tasks=2,
+                                         env_paths=[ENV_PATH], max_turns=3)
+    proxy.close()
+    for t in trajectories:
+        assert t.error is None, t.error
+        # One sub-trace: the turn after the tool's result extended the session token-exactly.
+        assert len(t.sub_traces) == 1 and t.metrics["turns"] == 2 and t.metrics["calls"] == 1
+        assert CODES[t.task_id] in chat.tokenizer.decode(t.sub_traces[0].ids)  # from the tool
+        assert t.reward == pytest.approx(expected_reward(CODES[t.task_id], CODES[t.task_id]))
 
 
 def test_unknown_environment_fails_naming_it(python, world):
