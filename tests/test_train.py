@@ -300,6 +300,63 @@ def test_gae_chains_across_sub_traces(last_end, bootstrap_truncated, restart_at_
     assert bootstrap[3].item() == pytest.approx(last[3].item() if cut_by_limit else 0.0)
 
 
+@pytest.mark.parametrize("restart_at_compaction", [False, True])
+def test_length_adaptive_lambda_per_rollout(restart_at_compaction):
+    """``lam_alpha``: each rollout's lambda is ``clamp(1 - 1 / (alpha * l), 0, 1)`` with ``l``
+    its action tokens over all its sub-traces (7 and 2 here), in one packed GAE call; equal to
+    the float64 chained reference run per rollout with that lambda."""
+    generator = torch.Generator().manual_seed(6)
+    masks, ends = [[1, 0, 1, 1], [0, 0], [1, 1, 0, 1, 0], [0, 1]], ["continued"] * 3 + ["terminal"]
+    subs = [make_sub_trace("r", k, m, [float(torch.rand(1, generator=generator)) * x for x in m],
+                           e) for k, (m, e) in enumerate(zip(masks, ends))]
+    other = make_sub_trace("q", 0, [1, 0, 1], [0.0, 0.0, 1.0], "terminal")
+    batch = [subs[1], other, subs[0], subs[3], subs[2]]
+    values = [torch.randn(len(s), generator=generator) for s in batch]
+    last = torch.zeros(len(batch))
+    alpha = 0.25
+    lam_r, lam_q = 1 - 1 / (alpha * 7), 0.0  # 2 action tokens: 1 - 1 / 0.5 < 0, clamped
+    advantages, _ = gae_advantages(batch, values, last, gamma=0.99, lam=0.5, lam_alpha=alpha,
+                                   restart_at_compaction=restart_at_compaction)
+    positions = [2, 0, 4, 3]
+    expected = reference_chained_gae([batch[i] for i in positions], [values[i] for i in positions],
+                                     last[positions], 0.99, lam_r,
+                                     restart_at_compaction=restart_at_compaction)
+    for k, i in enumerate(positions):
+        for t, m in enumerate(batch[i].action_mask):
+            if m:
+                assert advantages[i][t].item() == pytest.approx(expected[(k, t)], abs=1e-5)
+    expected_q = reference_chained_gae([other], [values[1]], last[[1]], 0.99, lam_q)
+    for t in (1, 3):  # the action tokens (after the context token make_sub_trace opens with)
+        assert advantages[1][t].item() == pytest.approx(expected_q[(0, t)], abs=1e-5)
+
+
+def test_lam_alpha_and_critic_lam_in_the_estimator():
+    """Through the ``gae`` estimator: the policy's advantages use the adaptive lambda (3 action
+    tokens, alpha 1: 2/3), the critic's targets keep ``critic_lam`` 1 (the plain returns)."""
+    from agentrl_fast.harness import Trajectory
+    from agentrl_fast.train.advantages import gae_estimator
+    trajectory = Trajectory("r", task_id="t")
+    trajectory.sub_traces = [make_sub_trace("r", 0, [1, 1, 0, 1], [0.0, 0.0, 0.0, 1.0],
+                                            "terminal")]
+    batch = StepBatch.of([trajectory])
+    batch.values = torch.tensor([0.0, 0.25, 0.5, 0.0, 0.75])
+    batch.last_values = torch.zeros(1)
+    config = TrainConfig(lam=0.5, lam_alpha=1.0, critic_lam=1.0, whiten_advantages=False)
+    advantages, returns = gae_estimator(batch, config)
+    want, _ = gae_advantages(batch.sub_traces, [batch.values], batch.last_values, gamma=1.0,
+                             lam=2 / 3)
+    assert torch.allclose(advantages, want[0], atol=1e-6)
+    assert returns.tolist() == pytest.approx([0.0, 1.0, 1.0, 0.0, 1.0])
+    plain, _ = gae_estimator(batch, TrainConfig(lam=0.5, whiten_advantages=False))
+    assert not torch.allclose(plain, advantages)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), "0.05"])
+def test_lam_alpha_must_be_positive(value):
+    with pytest.raises(ValueError, match="lam_alpha must be a number > 0"):
+        TrainConfig(lam_alpha=value)
+
+
 def test_gae_with_lambda_one_gives_every_token_its_rollouts_return():
     """gamma = lam = 1, terminal: through any number of compactions, each action token's return
     is the rollout's reward-to-go (what GRPO broadcasts), whatever the critic says; restarting

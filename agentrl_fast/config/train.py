@@ -72,10 +72,15 @@ class TrainConfig:
     values (less variance, more of their bias); 1 makes each advantage the return minus the
     critic's value. 0.95 is the usual PPO value; with a sparse final reward over long traces,
     1 carries the outcome to every token."""
+    lam_alpha: float | None = None
+    """Length-adaptive lambda (VAPO, CompactionRL): each rollout's policy lambda is
+    ``clamp(1 - 1 / (lam_alpha * l), 0, 1)`` with ``l`` its action-token count over all its
+    sub-traces, in place of ``lam``: long rollouts get a lambda near 1 (little critic bias),
+    short ones lean on the critic. VAPO uses 0.05, CompactionRL 1.5. None: ``lam``."""
     critic_lam: float | None = None
-    """The critic's GAE lambda for its value targets (None: ``lam``). Decoupled GAE (VC-PPO,
-    VAPO): ``lam`` 1 gives the policy unbiased returns over long traces while the critic still
-    learns from lower-variance targets."""
+    """The critic's GAE lambda for its value targets (None: the policy's, ``lam`` or the
+    adaptive one). Decoupled GAE (VC-PPO, VAPO): ``lam`` 1 gives the policy unbiased returns
+    over long traces while the critic still learns from lower-variance targets."""
     gae_restart_at_compaction: bool = False
     """False: GAE's lambda-return continues through a compaction (each rollout's sub-traces as
     one sequence; with ``lam`` 1 every token's return is its rollout's return). True restarts
@@ -222,6 +227,10 @@ class TrainConfig:
         for name in ("gamma", "lam", "critic_lam"):
             if getattr(self, name) is not None and not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if self.lam_alpha is not None and not (isinstance(self.lam_alpha, (int, float))
+                                               and 0 < self.lam_alpha < float("inf")):
+            raise ValueError(f"lam_alpha must be a number > 0 (or None: lam), got "
+                             f"{self.lam_alpha!r}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef!r}")
         if self.micro_batch_tokens < self.rollout.context_budget:

@@ -33,7 +33,7 @@ import torch
 
 from agentrl_fast.config.train import TrainConfig
 from agentrl_fast.harness.trajectory import SubTrace, Trajectory
-from agentrl_fast.ops import gae, whiten
+from agentrl_fast.ops import adaptive_lam, gae, whiten
 from agentrl_fast.train.registry import Registry
 from agentrl_fast.train.step_batch import StepBatch
 
@@ -86,8 +86,20 @@ def bootstrap_values(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tens
     return out
 
 
+def _rollout_lams(sub_traces: Sequence[SubTrace], sequences: list[list[int]],
+                  alpha: float) -> torch.Tensor:
+    """``[len(sequences)]`` float64: the length-adaptive lambda (:func:`adaptive_lam`) of the
+    rollout each sequence belongs to, ``l`` its action tokens over all its sub-traces."""
+    actions: dict[str, int] = defaultdict(int)
+    for s in sub_traces:
+        actions[s.rollout_id] += sum(s.action_mask)
+    lengths = torch.tensor([actions[sub_traces[m[0]].rollout_id] for m in sequences])
+    return adaptive_lam(lengths, alpha)
+
+
 def gae_advantages(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tensor],
                    last_values: torch.Tensor, *, gamma: float, lam: float,
+                   lam_alpha: float | None = None,
                    rewards: Sequence[torch.Tensor] | None = None,
                    bootstrap_truncated: bool = True, restart_at_compaction: bool = False
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -103,7 +115,10 @@ def gae_advantages(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tensor
     the rollout's own return, however many compactions it went through. With
     ``restart_at_compaction`` the sum restarts there (``A_next = 0``): everything after a
     compaction is the critic's estimate, and an outcome reaches the earlier sub-traces only as
-    fast as the critic learns it (one sub-trace per round of value targets)."""
+    fast as the critic learns it (one sub-trace per round of value targets).
+
+    ``lam_alpha``: each rollout's lambda is its length-adaptive one (:func:`_rollout_lams`), in
+    place of ``lam``, in the same single ``gae`` call (a ``[B]`` lambda)."""
     lengths = [len(s) for s in sub_traces]
     if rewards is None:
         rewards = [torch.tensor(s.rewards, dtype=torch.float32) for s in sub_traces]
@@ -130,7 +145,8 @@ def gae_advantages(sub_traces: Sequence[SubTrace], values: Sequence[torch.Tensor
                               torch.cat([values[i] for i in order]), cu_seqlens,
                               action_mask=torch.cat([masks[i] for i in order]),
                               bootstrap_values=bootstrap[[m[-1] for m in sequences]],
-                              gamma=gamma, lam=lam)
+                              gamma=gamma, lam=lam if lam_alpha is None
+                              else _rollout_lams(sub_traces, sequences, lam_alpha))
     out_advantages: list[torch.Tensor] = [torch.zeros(0)] * len(sub_traces)
     out_returns: list[torch.Tensor] = [torch.zeros(0)] * len(sub_traces)
     pieces = zip(order, advantages.split([lengths[i] for i in order]),
@@ -183,15 +199,17 @@ def reference_kl(batch: StepBatch) -> tuple[torch.Tensor, float]:
 @register_advantage("gae")
 def gae_estimator(batch: StepBatch, config: TrainConfig
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """GAE across each rollout's sub-traces (:func:`gae_advantages`): ``lam`` for the policy,
-    ``critic_lam`` for the critic's targets; whitened over the batch on request."""
+    """GAE across each rollout's sub-traces (:func:`gae_advantages`): ``lam`` (or the
+    length-adaptive ``lam_alpha``) for the policy, ``critic_lam`` for the critic's targets;
+    whitened over the batch on request."""
     sub_traces, values = batch.sub_traces, batch.split(batch.values)
     kwargs = dict(gamma=config.gamma, rewards=batch.split(batch.rewards),
                   bootstrap_truncated=config.bootstrap_truncated,
                   restart_at_compaction=config.gae_restart_at_compaction)
     advantages, returns = gae_advantages(sub_traces, values, batch.last_values, lam=config.lam,
-                                         **kwargs)
-    if config.critic_lam is not None and config.critic_lam != config.lam:
+                                         lam_alpha=config.lam_alpha, **kwargs)
+    if config.critic_lam is not None and (config.critic_lam != config.lam
+                                          or config.lam_alpha is not None):
         _, returns = gae_advantages(sub_traces, values, batch.last_values, lam=config.critic_lam,
                                     **kwargs)
     if config.whiten_advantages:
