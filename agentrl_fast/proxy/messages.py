@@ -276,9 +276,10 @@ def _tools(tools: Any) -> list[dict] | None:
         if not isinstance(tool.get("input_schema"), dict):
             raise _bad(f"{where}.input_schema must be a JSON schema object",
                        f"{where}.input_schema")
-        function = {"name": tool["name"], "parameters": tool["input_schema"]}
+        function = {"name": tool["name"]}  # in OpenAI's order: the template renders it so
         if tool.get("description") is not None:
             function["description"] = _string(tool, "description", where)
+        function["parameters"] = tool["input_schema"]
         out.append({"type": "function", "function": function})
     return out
 
