@@ -1,8 +1,9 @@
 """The proxy's HTTP surface (FastAPI on uvicorn, the ``serve`` extra): OpenAI's
-``/chat/completions`` and ``/responses`` (JSON or server-sent events, token by token) and
-``/models`` under ``/s/{session}/v1``,
+``/chat/completions`` and ``/responses``, Anthropic's ``/messages`` (JSON or server-sent events,
+token by token) and ``/models`` under ``/s/{session}/v1``,
 and the session endpoints. Every error is an OpenAI-style body
-``{"error": {"message", "type", "param", "code"}}``; no request can stop the server.
+``{"error": {"message", "type", "param", "code"}}`` (under ``/messages`` Anthropic's,
+:func:`~agentrl_fast.proxy.messages.error_body`); no request can stop the server.
 
 Bodies are read and parsed here (not by FastAPI's models) so that every malformed input gets a
 message naming the parameter, and bodies over ``max_body_bytes`` are refused while reading.

@@ -9,13 +9,14 @@
         trajectory = proxy.finish(session, reward=1.0)
         trainer.train_on([trajectory, ...])
 
-Endpoints (:mod:`agentrl_fast.proxy.app`): ``POST /s/{session}/v1/chat/completions`` and ``POST
-/s/{session}/v1/responses`` (:mod:`agentrl_fast.proxy.responses`), whole or streamed token by
-token (:mod:`agentrl_fast.proxy.stream`), ``GET /s/{session}/v1/models``, ``POST /sessions``,
-``POST /sessions/{id}/finish``. A session is one rollout: how requests extend it or start a new
-sub-trace is :mod:`agentrl_fast.proxy.session`'s doc. Sampling stays the run's: a request may
-restate ``temperature``/``top_p``, not change them; ``max_tokens`` is capped by the run's
-``max_new_tokens``; ``stop`` strings end a turn where they end on a token boundary.
+Endpoints (:mod:`agentrl_fast.proxy.app`): ``POST /s/{session}/v1/chat/completions``, ``POST
+/s/{session}/v1/responses`` (:mod:`agentrl_fast.proxy.responses`) and ``POST
+/s/{session}/v1/messages`` (Anthropic's, :mod:`agentrl_fast.proxy.messages`), whole or streamed
+token by token (:mod:`agentrl_fast.proxy.stream`), ``GET /s/{session}/v1/models``, ``POST
+/sessions``, ``POST /sessions/{id}/finish``. A session is one rollout: how requests extend it
+or start a new sub-trace is :mod:`agentrl_fast.proxy.session`'s doc. Sampling stays the run's:
+a request may restate ``temperature``/``top_p``, not change them; ``max_tokens`` is capped by
+the run's ``max_new_tokens``; ``stop`` strings end a turn where they end on a token boundary.
 
 Batching: requests of different sessions go to one worker thread, which waits
 ``batch_window`` seconds after the first for more (up to ``max_batch``) and generates each
