@@ -1,10 +1,11 @@
 """A small MCP server for the MCP tests, written with the SDK's low-level ``Server``: tools that
 answer, fail, hang, crash, write files and try the network.
 
-    python toy.py [--mode ok|bad-schema|fail-start] [--http PORT] [--marker TEXT]
+    python toy.py [--mode ok|bad-schema|fail-start] [--http PORT] [--marker TEXT] [--linger]
 
 stdio unless ``--http`` (streamable HTTP on 127.0.0.1:PORT, path ``/mcp``). ``--marker`` is only
-there to find the process in ``/proc``. ``crash`` exits the process mid-call; ``crash_once``
+there to find the process in ``/proc``. ``--linger``: stay alive after stdin closes (a server
+only a signal stops). ``crash`` exits the process mid-call; ``crash_once``
 does so only while the file ``crash_once`` is absent from the working directory (writing it
 first), so a restarted server answers.
 """
@@ -115,6 +116,7 @@ if __name__ == "__main__":
     parser.add_argument("--mode", default="ok", choices=("ok", "bad-schema", "fail-start"))
     parser.add_argument("--http", type=int, default=None)
     parser.add_argument("--marker", default="")
+    parser.add_argument("--linger", action="store_true")
     options = parser.parse_args()
     MODE = options.mode
     if MODE == "fail-start":
@@ -124,3 +126,6 @@ if __name__ == "__main__":
         main_http(options.http)
     else:
         anyio.run(main_stdio)
+    if options.linger:
+        import time
+        time.sleep(3600)

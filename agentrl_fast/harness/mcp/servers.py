@@ -338,6 +338,7 @@ class MCPServers:
         self._loop: LoopThread | None = None
         self._tools: dict[str, list[ToolSpec]] | None = None
         self._servers: dict[tuple[str, Hashable | None], _Server] = {}
+        self._releasing: set[_Server] = set()  # released, not stopped yet
         self._root: Path | None = None
         self._folders = itertools.count()
         self._closed = False
@@ -389,11 +390,14 @@ class MCPServers:
             loop = self._loop
             mine = [self._servers.pop(k) for k in list(self._servers) if k[1] == rollout_key
                     and self._specs[k[0]].scope == "rollout"] if loop is not None else []
+            self._releasing.update(mine)  # until stopped: close() waits for them
         if not mine:
             done = concurrent.futures.Future()
             done.set_result(None)
             return done
-        return loop.submit(_stop_all(mine))
+        stopping = loop.submit(_stop_all(mine))
+        stopping.add_done_callback(lambda _: self._releasing.difference_update(mine))
+        return stopping
 
     def rollout_dir(self, rollout_key: Hashable, server: str) -> Path | None:
         """The folder of ``rollout_key``'s ``server`` (``None`` until it started)."""
@@ -420,7 +424,8 @@ class MCPServers:
 
     def _shutdown(self) -> None:
         loop, self._loop = self._loop, None
-        servers, self._servers = list(self._servers.values()), {}
+        servers = [*self._servers.values(), *self._releasing]
+        self._servers = {}
         if loop is not None and loop.alive:
             with contextlib.suppress(Exception):
                 loop.submit(_stop_all(servers)).result(timeout=60)

@@ -56,8 +56,8 @@ def tool_specs(server, listed: list, taken: dict[str, str]) -> list[ToolSpec]:
     if server.include is not None:
         missing = [n for n in server.include if n not in names]
         if missing:
-            raise MCPServerError(f"MCP server {server.name!r}: include names {missing[0]!r}, "
-                                 f"which it does not offer (its tools: {', '.join(names)})")
+            raise ValueError(f"MCP server {server.name!r}: include names {missing[0]!r}, which "
+                             f"it does not offer (its tools: {', '.join(names)})")
         listed = [t for t in listed if t.name in server.include]
     specs = []
     for listed_tool in listed:
