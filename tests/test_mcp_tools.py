@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process groups,
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY = str(Path(__file__).resolve().parent / "mcp_servers" / "toy.py")
-NPM_PREFIX = Path.home() / ".cache" / "agentrl_fast" / "npm"
+NPM_PREFIX = Path(os.environ.get("AGENTRL_FAST_NPM",  # as tools/setup_test_env.sh
+                                  Path.home() / ".cache" / "agentrl_fast" / "npm"))
 MEMORY_SERVER = NPM_PREFIX / "node_modules" / "@modelcontextprotocol" / "server-memory" / \
     "dist" / "index.js"
 

@@ -35,6 +35,28 @@ if ! command -v bwrap > /dev/null 2>&1; then
   fi
 fi
 
+# The npm MCP servers the MCP tests run with node (tests/test_mcp_tools.py; under CI=true a
+# missing one fails them): installed into a cache folder, reused when present; never npx at test
+# time. Only on a full setup (no names given).
+npm_prefix=${AGENTRL_FAST_NPM:-$HOME/.cache/agentrl_fast/npm}
+npm_packages=("@modelcontextprotocol/server-memory@2026.8.31")
+if [ $# -eq 0 ]; then
+  for package in "${npm_packages[@]}"; do
+    if [ -f "$npm_prefix/node_modules/${package%@*}/package.json" ] \
+        && grep -q "\"version\": \"${package##*@}\"" "$npm_prefix/node_modules/${package%@*}/package.json"; then
+      echo "setup_test_env: $package is up to date ($npm_prefix)"
+    elif command -v npm > /dev/null 2>&1; then
+      echo "setup_test_env: installing $package into $npm_prefix"
+      npm install --no-audit --no-fund --prefix "$npm_prefix" "$package" > /dev/null \
+        || { echo "setup_test_env: npm install $package failed" >&2; exit 1; }
+    else
+      echo "setup_test_env: npm is missing; install Node.js (apt-get install nodejs npm) for" \
+           "$package" >&2
+      exit 1
+    fi
+  done
+fi
+
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then
   for spec in "$specs"/*.txt; do names+=("$(basename "$spec" .txt)"); done
