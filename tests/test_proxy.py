@@ -338,6 +338,94 @@ def test_eight_parallel_sessions_stay_apart_and_are_batched(world, served):
     assert batched > 0, f"no requests shared a generate call: {server.proxy.batch_sizes}"
 
 
+# -- tool_choice: a forced call's head, a banned <tool_call> ---------------------------------------
+
+def first_turn(server, env, task, name, stream=False, **body):
+    """``(message, finished trajectory)`` of a vault agent's first request with ``body``'s
+    options, in a session of its own."""
+    session = new_session(server, name, task_id=task.id)
+    with MemoryStore() as store:
+        system, prompt, tools, _, _ = vault_episode(env, task, store)
+    client = openai.OpenAI(base_url=server.base_url(session), api_key="unused", max_retries=0)
+    request = dict(model="policy", messages=[{"role": "system", "content": system},
+                                             {"role": "user", "content": prompt}],
+                   tools=tools, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, **body)
+    if stream:
+        message = streamed_message(client.chat.completions.create(stream=True, **request))
+    else:
+        message = client.chat.completions.create(**request).choices[0].message.model_dump()
+    return message, server.proxy.finish(session, 0.0)
+
+
+@pytest.mark.parametrize("choice, stream", [("required", False), ("open_vault", False),
+                                            ("open_vault", True)])
+def test_a_forced_tool_choice_is_context_and_the_sampled_rest_the_trainers(world, served,
+                                                                           choice, stream):
+    """The call's head goes after the generation prompt as context; the model samples the
+    rest, with the trainer's teacher-forced log-probs on that context; a streamed reply leaks
+    none of the head as content."""
+    env, chat, policy = world
+    server, recorder = served
+    named = choice != "required"
+    tool_choice = {"type": "function", "function": {"name": choice}} if named else choice
+    head = f'<tool_call>\n{{"name": "{choice}", "arguments": ' if named else "<tool_call>"
+    calls = 0
+    for k, task in enumerate(env.tasks("eval")[20:23]):
+        message, trajectory = first_turn(server, env, task, f"forced_{choice}_{stream}_{k}",
+                                         stream, tool_choice=tool_choice)
+        [sub_trace] = trajectory.sub_traces
+        start = sub_trace.action_mask.index(1)
+        forced = chat.decode(sub_trace.ids[:start]).rsplit("<|im_start|>assistant\n", 1)[1]
+        # This word-level tokenizer merges a call's head with its arguments: only <tool_call>
+        # is split off alike in every call, the model picks the function (a byte-level BPE
+        # pins the name too: tests/test_proxy_clients.py).
+        assert forced == "<tool_call>" and head.startswith(forced)
+        assert_sampled_exactly(sub_trace, recorder)  # the forced ids were in its prompt
+        assert_logprobs_are_the_trainers(policy, sub_trace)
+        for call in message["tool_calls"] or []:
+            calls += 1
+            assert not message["content"]  # the head is no content
+    assert calls, "the policy never completed a forced call"
+
+
+def teacher_forced(policy, ids: list[int], banned: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-probs, log-probs with banned renormalized away)`` of each token of ``ids`` (0 at
+    the first) under the trainer's forward at the run's temperature."""
+    tokens = torch.tensor(ids)
+    with torch.no_grad():
+        logprobs, hidden = policy_logprobs(
+            policy, tokens[None], torch.arange(len(tokens))[None],
+            torch.tensor([0, len(tokens)], dtype=torch.int32), len(tokens),
+            temperature=TEMPERATURE, return_hidden=True)
+        logits = policy.get_output_embeddings()(hidden).float()[:-1] / TEMPERATURE
+    out = []
+    for masked in (logits, logits.index_fill(-1, torch.tensor([banned]), float("-inf"))):
+        picked = torch.log_softmax(masked, -1).gather(-1, tokens[1:, None])[:, 0]
+        out.append(torch.cat([torch.zeros(1), picked]))
+    torch.testing.assert_close(out[0], logprobs.float(), atol=LOGPROB_TOLERANCE, rtol=0)
+    return out[0], out[1]
+
+
+def test_tool_choice_none_bans_tool_call_with_the_renormalized_logprobs(world, served):
+    """``<tool_call>`` is never sampled, and each recorded log-prob is the teacher-forced one
+    renormalized without it (the behaviour policy's), not the policy's own."""
+    env, chat, policy = world
+    server, recorder = served
+    banned = chat.token_ids["<tool_call>"]
+    shift = 0.0
+    for k, task in enumerate(env.tasks("eval")[24:27]):
+        message, trajectory = first_turn(server, env, task, f"none_{k}", tool_choice="none")
+        [sub_trace] = trajectory.sub_traces
+        assert_sampled_exactly(sub_trace, recorder)
+        mask = torch.tensor(sub_trace.action_mask, dtype=torch.bool)
+        assert banned not in torch.tensor(sub_trace.ids)[mask] and not message["tool_calls"]
+        plain, renormalized = teacher_forced(policy, sub_trace.ids, banned)
+        torch.testing.assert_close(torch.tensor(sub_trace.logprobs)[mask], renormalized[mask],
+                                   atol=LOGPROB_TOLERANCE, rtol=0)
+        shift = max(shift, float((renormalized - plain)[mask].max()))
+    assert shift > 0.1, "the policy never wanted <tool_call> here: nothing was renormalized"
+
+
 def test_openai_client_errors_and_models(served):
     server, _ = served
     session = new_session(server, "errors")

@@ -420,20 +420,27 @@ def _call_spans(text: str, calls) -> list[tuple[int, int]]:
 def forced_ids(chat_format: ChatFormat, request: ChatRequest) -> list[int]:
     """The ids a forced ``tool_choice`` puts after the generation prompt, as template (the
     model continues them; they are not its actions): ``<tool_call>`` for ``"required"``; for a
-    named function the call's head up to its arguments, cut where the tokenizer splits the
-    whole call as the template renders it (so they are the ids of a model writing that call,
-    and the name's closing quote is in them when the tokenizer splits after it)."""
+    named function as much of the call's head (up to its arguments) as the tokenizer splits
+    off alike in the calls of it as the template renders them (probed with no arguments, and
+    with each of the function's parameters, and another), so they are the ids the model itself
+    writes there. A byte-level BPE splits after the name's closing quote, pinning the name; a
+    tokenizer that merges the head with the arguments leaves ``<tool_call>`` alone."""
     if request.tool_choice != "required":
         return []
     if request.forced_function is None:
         return [chat_format.token_ids[TOOL_CALL_OPEN]]
-    call = tool_call_text(request.forced_function, {})
-    head = call[:call.rindex("{}")]  # <tool_call>\n{"name": "NAME", "arguments":_
-    ids = chat_format.encode(call)
+    name = request.forced_function
+    function = next(t["function"] for t in request.tools if t["function"]["name"] == name)
+    properties = (function.get("parameters") or {}).get("properties")
+    keys = [*(properties if isinstance(properties, dict) else ()), "a"]
+    calls = [tool_call_text(name, {})] + [tool_call_text(name, {k: "b"}) for k in keys]
+    head = calls[0][:calls[0].rindex("{}")]  # <tool_call>\n{"name": "NAME", "arguments":_
+    probes = [chat_format.encode(call) for call in calls]
     kept = 1  # <tool_call>, an added token: always its own id
-    while kept < len(ids) and head.startswith(chat_format.decode(ids[:kept + 1])):
+    while (kept < len(probes[0]) and all(p[:kept + 1] == probes[0][:kept + 1] for p in probes)
+           and head.startswith(chat_format.decode(probes[0][:kept + 1]))):
         kept += 1
-    return ids[:kept]
+    return probes[0][:kept]
 
 
 def make_reply(chat_format: ChatFormat, ids: list[int], logprobs: list[float],
