@@ -23,8 +23,8 @@ import os
 import queue
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from agentrl_fast.harness.trajectory import Trajectory
 from agentrl_fast.proxy import Proxy, ProxyError, ProxyServer

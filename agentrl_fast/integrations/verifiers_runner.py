@@ -8,9 +8,11 @@ For each task x sample it ``POST``s ``/sessions``, gives verifiers a model conte
 whose endpoint is that session (``{proxy}/s/{id}/v1``: verifiers' ``ModelContext`` is per
 rollout, so concurrent rollouts never share a session), lets the environment run the episode
 (its harness, tools and rubric), then ``POST``s ``/sessions/{id}/finish`` with the episode's
-reward. One JSON line per rollout goes to stdout, as it finishes::
+reward and whether verifiers judged it truncated. One JSON line per rollout goes to stdout,
+as it finishes::
 
-    {"session": id, "task_id": ..., "task_index": i, "sample": s, "reward": r, "error": null}
+    {"session": id, "task_id": ..., "task_index": i, "sample": s, "reward": r,
+     "truncated": false, "error": null}
 
 (``error`` a message when verifiers failed the episode), and a line with ``"started": true``
 instead of the outcome when its session is made, so the caller can close what a crash left
@@ -158,15 +160,16 @@ def load_env(args: argparse.Namespace):
     return load_environment(config)
 
 
-def episode_outcome(episode) -> tuple[float, str | None]:
-    """``(reward, error)`` of a finished episode: its traces' rewards summed; an episode
-    verifiers marks failed (a harness crash, a tool server that never came up) is an error."""
-    reward = float(sum(trace.reward for trace in episode.traces))
-    if episode.ok:
-        return reward, None
-    errors = [e for e in episode.errors] + [e for t in episode.traces for e in t.errors]
+def episode_outcome(episode) -> dict:
+    """``reward`` (its traces' rewards summed), ``truncated`` (verifiers' verdict: a turn or
+    token limit, or a final reply cut at its length, so the trainer bootstraps the value) and
+    ``error`` (an episode verifiers marks failed: a harness crash, a tool server that never
+    came up) of a finished episode."""
+    errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
     detail = "; ".join(f"{e.type}: {e.message}"[:400] for e in errors) or "not ok"
-    return reward, f"verifiers episode failed: {detail}"
+    return {"reward": float(sum(trace.reward for trace in episode.traces)),
+            "truncated": any(trace.is_truncated for trace in episode.traces),
+            "error": None if episode.ok else f"verifiers episode failed: {detail}"}
 
 
 def emit(line: dict) -> None:
@@ -188,12 +191,13 @@ async def run_rollout(env, task, index: int, sample: int, args: argparse.Namespa
                                   api_key_var=API_KEY_VAR)
         ctx = ModelContext(model=args.model, client=client)
         try:
-            reward, error = episode_outcome(await env.run_slot(RunSlot(task), ctx))
+            outcome = episode_outcome(await env.run_slot(RunSlot(task), ctx))
         except Exception as exception:  # noqa: BLE001 - reported on the rollout, not fatal
-            reward, error = 0.0, f"verifiers raised {type(exception).__name__}: {exception}"
+            outcome = {"reward": 0.0, "truncated": False,
+                       "error": f"verifiers raised {type(exception).__name__}: {exception}"}
         await asyncio.to_thread(post, f"{args.proxy}/sessions/{session}/finish",
-                                {"reward": reward})
-        emit({**line, "reward": reward, "error": error})
+                                {"reward": outcome["reward"], "truncated": outcome["truncated"]})
+        emit({**line, **outcome})
 
 
 async def run(args: argparse.Namespace) -> None:
