@@ -122,8 +122,9 @@ class ThinkingSplit:
         out: list[tuple[str, str]] = []
         if self.state == "thinking":
             out += [("thinking", self.buffer), ("signature", _SIGNATURES[None])]
-        elif self.state == "closed":  # "" or "\n" after </think>: no blank line
-            out += [("signature", _SIGNATURES[""]), ("text", self.buffer)]
+        elif self.state == "closed":  # "", "\n" or "\n\n" after </think>
+            sep = _SEP if self.buffer.startswith(_SEP) else ""
+            out += [("signature", _SIGNATURES[sep]), ("text", self.buffer[len(sep):])]
         else:
             out.append(("text", self.buffer))
         self.buffer = ""
