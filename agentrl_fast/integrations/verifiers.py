@@ -42,7 +42,8 @@ def runner_command(python: str | Path, proxy_url: str, env_id: str, *, tasks: in
                    concurrency: int = 8, harness: str = "null", model: str = "policy"
                    ) -> list[str]:
     """The command line that runs the runner in the side environment ``python``."""
-    if not Path(python).is_file():
+    python = Path(python).expanduser()
+    if not python.is_file():
         raise ValueError(f"python must be the verifiers side environment's interpreter; "
                          f"{python} does not exist (bash tools/setup_test_env.sh verifiers)")
     for name, value, least in (("tasks", tasks, 1), ("samples", samples, 1), ("skip", skip, 0),
