@@ -242,13 +242,13 @@ class _Server:
         self.connection: Connection | None = None
         self.starting: asyncio.Future | None = None
         self.starts = 0
-        self.down: str | None = None  # why it stays down (died after its restart)
+        self.down: str | None = None  # why it stays down: died after its restart, or stopped
 
     async def ready(self) -> Connection:
         """The running connection, started now if needed (shielded: a caller's timeout does
         not stop a start other calls wait for)."""
         if self.down is not None:
-            raise MCPServerError(self.down)
+            raise MCPServerError(f"MCP server {self.spec.name!r} is down: {self.down}")
         if self.starting is None:
             self.starting = asyncio.ensure_future(self._start())
         return await asyncio.shield(self.starting)
@@ -285,18 +285,18 @@ class _Server:
         if self.connection is connection:
             self.connection = None
             await connection.stop()
-            if self.starts >= 2:
-                self.down = (f"MCP server {self.spec.name!r} is down: it died again after its "
-                             "restart")
-                self.starting = None
-            else:
+            if self.down is None and self.starts >= 2:
+                self.down, self.starting = "it died again after its restart", None
+            elif self.down is None:
                 self.starting = asyncio.ensure_future(self._start())
                 self.starting.add_done_callback(_retrieve)
         if self.down is not None:
-            return what + "it died again after its restart and stays down"
+            return what + f"it stays down: {self.down}"
         return what + "it is restarted for the next call"
 
     async def stop(self) -> None:
+        """Stop the server for good (its folder removed, for a rollout's)."""
+        self.down = "it was stopped (its rollout ended, or the pool closed)"
         if self.starting is not None and not self.starting.done():
             self.starting.cancel()
             with contextlib.suppress(BaseException):
