@@ -180,6 +180,31 @@ def test_greedy_is_argmax_with_untempered_logprobs(peaked):
     _assert_same_ids(generator.generate(prompts, sampling, seeds=[5, 6, 7, 8]), out, "greedy, other seeds")
 
 
+@pytest.mark.parametrize("temperature", [0.7, 0])
+def test_banned_ids_are_never_sampled_and_logprobs_are_renormalized(peaked, temperature):
+    """``banned_ids`` are masked before the log-softmax: never sampled (nor chosen greedily),
+    and each recorded log-prob is the teacher-forced one renormalized without them (the
+    distribution the token was drawn from)."""
+    prompts = _prompts()
+    generator = TorchGenerator(peaked)
+    free = generator.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=8),
+                              seeds=list(SEEDS))
+    banned = tuple(sorted({g.ids[0] for g in free}))  # each row's own first token
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=8, banned_ids=banned)
+    for prompt, g in zip(prompts, generator.generate(prompts, sampling, seeds=list(SEEDS))):
+        assert not set(g.ids) & set(banned)
+        with torch.no_grad():
+            logits = peaked(input_ids=torch.tensor([prompt + g.ids])).logits[0]
+        masked = logits.index_fill(-1, torch.tensor(banned), float("-inf"))
+        renormalized = _teacher_forced(masked, len(prompt), g.ids, temperature)
+        torch.testing.assert_close(torch.tensor(g.logprobs), renormalized, rtol=0, atol=1e-4)
+        assert renormalized[0] > _teacher_forced(logits, len(prompt), g.ids, temperature)[0] + 0.01
+    with pytest.raises(ValueError, match="banned_ids holds 96, outside the model's vocabulary"):
+        generator.generate(prompts, SamplingParams(banned_ids=(3, VOCAB)))
+    with pytest.raises(ValueError, match="banned_ids must be token ids"):
+        SamplingParams(banned_ids=(-1,))
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Reproducibility and batch independence
 

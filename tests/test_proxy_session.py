@@ -132,6 +132,31 @@ def test_a_changed_history_starts_a_new_sub_trace(chat, edit):
     assert second == render_messages(history, tools, add_generation_prompt=True) + "Done.<|im_end|>\n"
 
 
+THOUGHT = "<think>\nAmber first.\n</think>\n\n"
+
+
+@pytest.mark.parametrize("reasoning, before, extends", [
+    (None, THOUGHT, True),  # as replied
+    ("\nAmber first.\n", "\n\n", True),  # litellm's split
+    ("\nAmber first.\n", "", False),  # the "\n\n" after the block lost
+    ("Amber first.", "\n\n", False),  # stripped: edited
+    ("\nBirch first.\n", "\n\n", False),
+    (None, "<thinking>\nAmber first.\n</thinking>\n\n", False),  # other tags: other text
+    (None, "\n\n", False),  # the think block dropped
+])
+def test_a_think_block_in_reasoning_content_or_content_is_the_same_text(chat, reasoning, before,
+                                                                        extends):
+    """An assistant message is compared as the text the model wrote: ``reasoning_content`` is
+    its leading ``<think>`` block, exactly (no tags other than ``<think>``, nothing stripped)."""
+    proxy = make_proxy(chat, THOUGHT + "Opening. " + CALL, "Done.")
+    session = proxy.create_session()
+    _, first, _ = complete(proxy, session, [SYSTEM, USER])
+    assert first.content == THOUGHT + "Opening."
+    sent = {**echo(first), "reasoning_content": reasoning, "content": before + "Opening."}
+    complete(proxy, session, [SYSTEM, USER, sent, tool_message(first, "ok")])
+    assert len(proxy.finish(session).sub_traces) == (1 if extends else 2)
+
+
 def test_malformed_calls_come_back_as_text_and_valid_ones_as_calls(chat):
     bad = '<tool_call>\n{"name": "open_vault", "arguments": {"name": }\n</tool_call>'
     proxy = make_proxy(chat, bad, "Let me see." + CALL, "text <tool_call>{\"name\": 1}</tool_call> more")

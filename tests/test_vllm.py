@@ -120,6 +120,30 @@ def test_sampled_logprobs_equal_the_trainers(served, temperature):
     assert largest_difference(policy, prompts, generations, temperature) < LOGPROB_TOLERANCE
 
 
+def test_banned_ids_are_never_sampled_with_renormalized_logprobs(served):
+    """``banned_ids`` (a -100 logit bias on the server): each row's own first token banned is
+    never sampled, and the log-probs are the trainer's renormalized without the banned ids."""
+    generator, environment, chat, policy = served
+    generator.update_weights(policy)
+    prompts = prompts_of(environment, chat, count=4)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, stop_ids=chat.stop_ids)
+    banned = tuple(sorted({g.ids[0] for g in generator.generate(prompts, sampling, range(4))}))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, stop_ids=chat.stop_ids,
+                              banned_ids=banned)
+    for prompt, g in zip(prompts, generator.generate(prompts, sampling, range(4))):
+        assert not set(g.ids) & set(banned)
+        tokens = torch.tensor(prompt + g.ids)
+        with torch.no_grad():
+            _, hidden = policy_logprobs(policy, tokens[None], torch.arange(len(tokens))[None],
+                                        torch.tensor([0, len(tokens)], dtype=torch.int32),
+                                        len(tokens), return_hidden=True)
+            logits = policy.get_output_embeddings()(hidden).float()[len(prompt) - 1:-1]
+        logits[:, list(banned)] = float("-inf")
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(g.ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(g.logprobs), want, atol=LOGPROB_TOLERANCE,
+                                   rtol=0)
+
+
 def stop_prone(policy, chat) -> torch.nn.Module:
     """A copy of ``policy`` whose turns end after a few tokens at ``</tool_call>`` or
     ``<|im_end|>`` (weights only, so the server loads it)."""

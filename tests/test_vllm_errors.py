@@ -257,3 +257,17 @@ def test_server_lengths_the_model_cannot_serve_are_refused(tmp_path, given, batc
     with pytest.raises(ValueError, match=message):
         VLLMServer(_model_dir(tmp_path, 1024), python=sys.executable, max_model_len=given,
                    max_num_batched_tokens=batched)
+
+
+def test_banned_ids_go_to_the_server_as_the_strongest_logit_bias():
+    """vLLM applies ``logit_bias`` before its processed log-probs (the recorded ones), so they
+    are renormalized without the banned ids; it clamps a bias to -100, the value sent."""
+    from types import SimpleNamespace
+
+    from agentrl_fast.config import SamplingParams
+
+    body = VLLMGenerator._body(SimpleNamespace(model="m"), [1, 2],
+                               SamplingParams(banned_ids=(7, 5)), seed=3)
+    assert body["logit_bias"] == {"5": -100.0, "7": -100.0}
+    assert "logit_bias" not in VLLMGenerator._body(SimpleNamespace(model="m"), [1, 2],
+                                                   SamplingParams(), seed=3)
