@@ -27,6 +27,7 @@ from agentrl_fast.train.sft import demonstrations, sft
 from test_proxy import (MAX_TOKENS, TEMPERATURE, Recorder, assert_logprobs_are_the_trainers,
                         assert_sampled_exactly, expected_text, new_session, vault_episode)
 from test_proxy_responses import CALL, INSTRUCTIONS, TASK, chat, finish, serve  # noqa: F401
+from test_proxy_stream import Gated
 
 TOOLS = [{"name": "open_vault", "description": "Open a vault.",
           "input_schema": {"type": "object", "properties": {"name": {"type": "string"}},
@@ -390,6 +391,25 @@ def test_errors_are_anthropic_shaped_and_typed_in_the_sdk(serve):
     with pytest.raises(anthropic.ConflictError, match="is finished") as conflict:
         client.messages.create(**ask)
     assert conflict.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_failure_mid_stream_is_an_error_event_and_before_it_a_5xx(chat):
+    """The engine failing after some ids: an Anthropic ``error`` event in the 200 stream (the
+    SDK raises it as an APIStatusError); before the first id: a plain 5xx."""
+    for fail_after, error in ((6, anthropic.APIStatusError), (1, anthropic.InternalServerError)):
+        proxy = Proxy(Gated(chat, ["Some text that fails later on."], fail_after=fail_after),
+                      chat, SamplingParams(temperature=1.0, max_new_tokens=64),
+                      batch_window=0.0)
+        try:
+            with ProxyServer(proxy) as server:
+                client = client_of(server, "failing")
+                with pytest.raises(error, match="the engine failed mid-reply") as raised:
+                    list(client.messages.create(model="m", max_tokens=64, stream=True,
+                                                messages=[{"role": "user", "content": TASK}]))
+                assert type(raised.value) is error
+                assert raised.value.body["error"]["type"] == "api_error"
+        finally:
+            proxy.close()
 
 
 def test_hostile_messages_requests_get_anthropic_errors(serve):
