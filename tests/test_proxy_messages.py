@@ -277,6 +277,21 @@ def test_several_tool_results_and_text_become_tool_messages_then_a_user_turn(ser
             "<|im_end|>\n<|im_start|>assistant\n") in chat.decode(sub_trace.ids)
 
 
+def test_a_tool_use_id_sent_back_changed_starts_a_new_sub_trace(serve):
+    """The proxy's call ids are part of the conversation a session holds: a harness that
+    rewrites one has edited its history (as on chat completions)."""
+    _, server = serve(CALL, "Done.")
+    client = client_of(server, "renamed")
+    messages = [{"role": "user", "content": TASK}]
+    first = client.messages.create(model="m", max_tokens=64, tools=TOOLS, messages=messages)
+    returned = sent_back(first)
+    returned["content"][-1]["id"] = "toolu_01"
+    messages += [returned, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_01", "content": "4711"}]}]
+    client.messages.create(model="m", max_tokens=64, tools=TOOLS, messages=messages)
+    assert finish(server, "renamed")["sub_traces"] == 2
+
+
 @pytest.mark.parametrize("how", ["plain", "stream"])
 def test_stop_sequences_and_max_tokens_set_the_stop_reason(serve, how):
     _, server = serve("The code is 4711. END of it.", "A long answer that will not fit.")
