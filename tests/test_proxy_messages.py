@@ -353,6 +353,7 @@ def test_tool_choice_any_and_tool_reach_the_session(serve):
     ("mcp_servers", [{"type": "url", "url": "http://x"}], "mcp_servers"),
     ("output_config", {"format": {"type": "json_schema"}}, "output_config.format"),
     ("thinking", {"type": "sometimes"}, "thinking"),
+    ("thinking", {"type": "enabled"}, "thinking.budget_tokens"),
     ("stop_sequences", "END", "stop_sequences"),
     ("temperature", 0.2, "temperature"),
     ("top_k", 5, "top_k"),

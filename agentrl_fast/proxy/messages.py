@@ -317,6 +317,11 @@ def _check_options(body: dict) -> None:
                                      and thinking.get("type") in _THINKING_TYPES):
         raise _bad("thinking must be {\"type\": \"enabled\", \"budget_tokens\": n} or "
                    "{\"type\": \"disabled\"|\"adaptive\"}", "thinking")
+    budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+    if thinking is not None and thinking["type"] == "enabled" and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise _bad(f"thinking.budget_tokens must be an integer >= 1, got {budget!r}",
+                   "thinking.budget_tokens")
     output = body.get("output_config")
     if output is not None and not (isinstance(output, dict) and output.get("format") is None):
         raise _bad("output_config.format must be omitted: the proxy does not constrain "
