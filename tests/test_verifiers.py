@@ -29,7 +29,7 @@ from agentrl_fast.config import RolloutConfig, SamplingParams
 from agentrl_fast.envs import VaultEnvironment, build_tokenizer
 from agentrl_fast.generators.scripted import ScriptedGenerator
 from agentrl_fast.harness import ChatFormat
-from agentrl_fast.integrations import verifiers as vf_driver
+from agentrl_fast.train import verifiers_driver as vf_driver
 from agentrl_fast.models.tiny import tiny_qwen3
 from agentrl_fast.proxy import Proxy, ProxyServer
 from agentrl_fast.train import TrainConfig, Trainer

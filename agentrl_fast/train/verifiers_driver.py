@@ -30,7 +30,7 @@ from agentrl_fast.harness.trajectory import Trajectory
 from agentrl_fast.proxy import Proxy, ProxyError, ProxyServer
 from agentrl_fast.train.proxy_driver import train_step
 
-RUNNER = Path(__file__).resolve().with_name("verifiers_runner.py")
+RUNNER = Path(__file__).resolve().parent.parent / "integrations" / "verifiers_runner.py"
 # The main environment's settings the side environment must not inherit (it would import
 # the main environment's packages).
 _PRIVATE = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
