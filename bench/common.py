@@ -13,6 +13,7 @@ faster).
 
 import datetime
 import json
+import math
 import os
 import re
 import statistics
@@ -99,6 +100,15 @@ def _cuda_median_ms(fn, repeats: int, max_seconds: float) -> float:
     while len(times) < repeats and time.perf_counter() - start < max_seconds:
         times.append(cuda_event_ms(fn))
     return statistics.median(times)
+
+
+def latency_ms(seconds: list[float]) -> dict:
+    """``n``, ``p50_ms``, ``p95_ms`` (nearest rank: the largest of 2 to 20) and ``mean_ms`` of
+    latencies given in seconds."""
+    ordered = sorted(seconds)
+    return {"n": len(ordered), "p50_ms": 1e3 * statistics.median(ordered),
+            "p95_ms": 1e3 * ordered[math.ceil(0.95 * len(ordered)) - 1],
+            "mean_ms": 1e3 * statistics.fmean(ordered)}
 
 
 def cuda_event_ms(fn) -> float:
