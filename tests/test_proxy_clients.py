@@ -21,10 +21,10 @@ from langchain_openai import ChatOpenAI  # noqa: E402
 from smolagents import OpenAIServerModel, ToolCallingAgent, tool  # noqa: E402
 
 from agentrl_fast.config import SamplingParams  # noqa: E402
+from agentrl_fast.envs import VaultEnvironment, build_tokenizer  # noqa: E402
 from agentrl_fast.generators import ScriptedGenerator  # noqa: E402
 from agentrl_fast.harness import ChatFormat  # noqa: E402
 from agentrl_fast.proxy import Proxy, ProxyServer  # noqa: E402
-from test_proxy_responses import chat  # noqa: E402,F401  (a fixture: the vault ChatFormat)
 
 litellm.telemetry = False
 litellm.suppress_debug_info = True
@@ -45,6 +45,12 @@ def call(name: str) -> str:
 THINKING = ["<think>\nAmber first.\n</think>\n\n" + call("amber"),
             "<think>\nNow birch.\n</think>\n\nOpening birch. " + call("birch"),
             "<think>\nBoth are open.\n</think>\n\nThe codes are 4711 and 42."]
+
+
+@pytest.fixture(scope="module")
+def chat():
+    env = VaultEnvironment()
+    return ChatFormat(build_tokenizer(env.corpus(), words=env.words()))
 
 
 @pytest.fixture
@@ -200,4 +206,5 @@ def test_a_named_tool_choice_forces_the_call_head_through_the_name(qwen3_tokeniz
     [sub_trace] = proxy.finish("named", 1.0).sub_traces
     start = sub_trace.action_mask.index(1)
     assert chat_format.decode(sub_trace.ids[:start]).endswith(head)
-    assert chat_format.decode(sub_trace.ids[start:]) == ' {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+    sampled = chat_format.decode(sub_trace.ids[start:])
+    assert sampled == ' {"city": "Paris"}}\n</tool_call><|im_end|>\n'

@@ -16,7 +16,9 @@ token by token (:mod:`agentrl_fast.proxy.stream`), ``GET /s/{session}/v1/models`
 /sessions``, ``POST /sessions/{id}/finish``. A session is one rollout: how requests extend it
 or start a new sub-trace is :mod:`agentrl_fast.proxy.session`'s doc. Sampling stays the run's:
 a request may restate ``temperature``/``top_p``, not change them; ``max_tokens`` is capped by
-the run's ``max_new_tokens``; ``stop`` strings end a turn where they end on a token boundary.
+the run's ``max_new_tokens``; ``stop`` strings end a turn where they end on a token boundary;
+a forced ``tool_choice`` puts the call's head in the prompt, ``"none"`` bans ``<tool_call>``
+(``SamplingParams.banned_ids``, a sampling group of its own in a batch).
 
 Batching: requests of different sessions go to one worker thread, which waits
 ``batch_window`` seconds after the first for more (up to ``max_batch``) and generates each

@@ -5,7 +5,8 @@ session holds, and the model's output as an OpenAI assistant message
 A session is one rollout. It holds the canonical form of the conversation its current
 sub-trace renders (the last request's messages and the reply it got). A request *extends* the
 session when its messages start with exactly that conversation: the same roles, the same
-content (``None`` == ``""``, text parts joined), the same tool calls (names, call ids, and
+content (``None`` == ``""``, text parts joined, an assistant's ``reasoning_content`` as the
+leading ``<think>`` block of its content), the same tool calls (names, call ids, and
 arguments equal as JSON: parsed, ``null`` members dropped, so a client's re-serialization does
 not count as an edit) and the same tools. Then only the new messages are tokenized (the Qwen3
 template pieces, :class:`~agentrl_fast.harness.chat_format.ChatFormat`) and appended to the
@@ -13,6 +14,11 @@ ids the sub-trace holds, the sampled ids verbatim. Any other request means the h
 its own history (dropped, summarised or edited turns): the sub-trace is closed as
 ``"continued"`` and a new one of the same rollout starts from the request's whole rendering,
 as the engine's compaction does (GAE then chains across them).
+
+``tool_choice``: ``"required"`` or a named function appends the call's opening ids
+(:func:`forced_ids`) to the prompt as template, so the model's sampled ids continue them with
+its own log-probs; :func:`make_reply` parses the forced text and the sampled one together.
+``"none"`` returns calls as text (the service also bans ``<tool_call>``).
 """
 
 from __future__ import annotations
@@ -286,10 +292,10 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[str, str | None]
     name = function.get("name") if isinstance(function, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function"
             and isinstance(name, str)):
+        got = json.dumps(choice, default=repr)[:200]
         raise _bad(f"tool_choice must be \"auto\", \"none\", \"required\" or a named function "
                    f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}} (on /responses "
-                   f"{{\"type\": \"function\", \"name\": ...}}), got {json.dumps(choice)[:200]}",
-                   "tool_choice")
+                   f"{{\"type\": \"function\", \"name\": ...}}), got {got}", "tool_choice")
     if name not in names:
         raise _bad(f"tool_choice names function {name!r}, which is not one of the tools "
                    f"({', '.join(map(repr, names)) or 'none were given'})", "tool_choice")
