@@ -6,6 +6,7 @@ however the rollout ends, and a YAML config of the dataset tool environment with
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import uuid
@@ -58,15 +59,19 @@ def toy_env(tmp_path_factory):
     env = DatasetToolEnvironment(
         train=str(train), reward="mcp_reward:score", eval_fraction=0.25, search=[folder],
         mcp_servers=[{"name": "toy", "command": sys.executable, "args": [TOY, "--marker", marker],
-                      "scope": "rollout", "include": ["echo", "crash"]}])
+                      "scope": "rollout", "include": ["echo", "slow"]}])
     env.marker = marker
     yield env
     env.close()
     assert no_process_with(marker)
 
 
-def test_the_engine_releases_rollout_servers_however_rollouts_end(toy_env):
-    chat = ChatFormat(build_tokenizer(toy_env.corpus(), vocab_size=512, words=toy_env.words()))
+@pytest.fixture(scope="module")
+def chat(toy_env):
+    return ChatFormat(build_tokenizer(toy_env.corpus(), vocab_size=512, words=toy_env.words()))
+
+
+def test_the_engine_releases_rollout_servers_however_rollouts_end(toy_env, chat):
     settings = RolloutConfig(samples_per_task=2, max_turns=3, context_budget=2048,
                              sampling=SamplingParams(max_new_tokens=64))
 
@@ -148,3 +153,29 @@ def test_a_config_with_mcp_servers_trains_two_ppo_steps(tmp_path, template):  # 
     assert sum(r["tool_calls"] for r in steps) > 0, steps  # the rollouts called MCP tools
     assert min(r["tool_error_rate"] for r in steps) < 1, steps  # and some calls answered
     assert gone(_children() - before)  # every server stopped with the run
+
+
+def test_a_cancelled_stream_releases_the_servers_of_its_groups_in_flight(toy_env, chat):
+    """The asynchronous trainer's ``astream``: cancelled while its rollouts' calls run, the
+    dropped groups' servers stop."""
+    before = set(processes_with(toy_env.marker))
+    settings = RolloutConfig(samples_per_task=2, max_turns=2, context_budget=2048)
+    engine = RolloutEngine(ScriptedGenerator(lambda c: call("slow", {"seconds": 60}), chat),
+                           chat, toy_env, settings)
+
+    async def stream_then_cancel() -> set[int]:
+        groups = iter([(task, 0) for task in toy_env.tasks("train")[:2]])
+        stream = asyncio.ensure_future(engine.astream(groups, emit=lambda g: None,
+                                                      room=lambda n: True))
+        for _ in range(400):  # until the 4 rollouts' servers run their calls
+            await asyncio.sleep(0.05)
+            started = set(processes_with(toy_env.marker)) - before
+            if len(started) == 4:
+                break
+        stream.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stream
+        return started
+
+    started = asyncio.run(stream_then_cancel())
+    assert len(started) == 4 and gone(started)

@@ -836,3 +836,20 @@ def test_bad_timeouts_are_refused_naming_the_option(timeout):
         tool(add.fn, name="other", timeout=timeout)
     with pytest.raises((TypeError, ValueError), match="default_timeout must be > 0 seconds"):
         ToolRegistry([add], default_timeout=timeout)
+
+
+def test_a_tool_keeping_its_own_deadline_reads_as_a_timeout():
+    from agentrl_fast.harness import ToolTimeout
+
+    @tool
+    async def remote(seconds: float) -> str:
+        """Wait on a deadline of its own.
+
+        Args:
+            seconds: How long to wait.
+        """
+        raise ToolTimeout(seconds)
+
+    result = ToolRegistry([remote]).execute_sync([ToolCall("remote", {"seconds": 1.5})])[0]
+    assert (result.error, result.content) == ("timeout", "Error: tool 'remote' timed out after "
+                                                         "1.5 s.")

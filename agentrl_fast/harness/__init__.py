@@ -13,7 +13,7 @@ from agentrl_fast.harness.rollout import (CompactionState, RolloutEngine, Rollou
 from agentrl_fast.harness.sandbox import SandboxResult, python_tool, run_sandboxed
 from agentrl_fast.harness.tool_calls import ToolCall, parse_tool_calls
 from agentrl_fast.harness.tools import (FAILURE_KINDS, Tool, ToolRegistry, ToolResult,
-                                        count_failures, tool)
+                                        ToolTimeout, count_failures, tool)
 from agentrl_fast.harness.trajectory import (END_KINDS, SubTrace, Trajectory, TurnOutcome,
                                              apply_turn)
 
@@ -21,7 +21,7 @@ __all__ = [
     "END_KINDS", "FAILURE_KINDS", "SPECIAL_TOKENS", "STOP_MODES", "ChatFormat", "CompactionState",
     "Environment", "Episode", "MemoryNamespace", "MemoryStore", "RolloutEngine", "RolloutStats",
     "SandboxResult", "SubTrace", "Task", "Tool", "ToolCall", "ToolRegistry", "ToolResult",
-    "Trajectory", "TurnOutcome", "apply_turn", "count_failures", "default_summary",
+    "ToolTimeout", "Trajectory", "TurnOutcome", "apply_turn", "count_failures", "default_summary",
     "parse_tool_calls", "python_tool", "render_messages", "rollout_metrics", "run_sandboxed",
     "tool",
 ]

@@ -19,7 +19,9 @@ Failure kinds (``FAILURE_KINDS``):
 - ``tool_exception``: the tool raised;
 - ``timeout``: the tool ran past its timeout. An async tool is cancelled; a sync tool runs in a
   worker thread, which Python cannot stop: its result is discarded when it finally returns. A
-  tool that can run away (code execution) belongs in a subprocess (:mod:`.sandbox`).
+  tool that can run away (code execution) belongs in a subprocess (:mod:`.sandbox`). A tool
+  that keeps a deadline of its own (an MCP server's call, whose server may first have to start)
+  raises :class:`ToolTimeout`, which reads the same.
 """
 
 from __future__ import annotations
@@ -142,6 +144,15 @@ def tool(fn: Callable | None = None, *, name: str | None = None, description: st
     return Tool(name=tool_name, description=description or schema.get("description", ""),
                 parameters=schema["parameters"], fn=fn, timeout=timeout,
                 returns=schema.get("return"), inline=inline)
+
+
+class ToolTimeout(Exception):
+    """Raised by a tool whose own deadline of ``seconds`` passed: a ``timeout`` result, as when
+    the registry's timeout fires (any other exception a tool raises is a ``tool_exception``)."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"timed out after {seconds:g} s")
+        self.seconds = seconds
 
 
 @dataclass(frozen=True)
@@ -415,6 +426,9 @@ class ToolRegistry:
                 error = error.error
             if isinstance(error, (KeyboardInterrupt, GeneratorExit)):
                 raise
+            if isinstance(error, ToolTimeout):
+                return ToolResult(call.name, f"Error: tool {call.name!r} timed out after "
+                                  f"{error.seconds:g} s.", "timeout")
             return ToolResult(call.name, f"Error: tool {call.name!r} raised "
                               f"{type(error).__name__}: {error}", "tool_exception")
         try:

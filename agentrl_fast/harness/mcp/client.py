@@ -194,7 +194,7 @@ class Connection:
             await self.stop()
             raise MCPServerError(self._start_failure(f"did not answer within {timeout:g} s "
                                                      "(startup_timeout)")) from None
-        except MCPServerError:
+        except BaseException:  # failed, or cancelled (its rollout ended during the start)
             await self.stop()
             raise
 

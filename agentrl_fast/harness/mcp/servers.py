@@ -10,10 +10,12 @@ for example).
 probe of each rollout server (in a scratch folder, then stopped) to list the tools: every
 rollout of a server offers the same tools, and the tools header must be known before the first
 generation. :meth:`MCPServers.tools` gives a rollout its tools without starting anything; a
-rollout's own servers start at its first call (inside that call's timeout) and stop at
+rollout's own servers start at its first call (within ``startup_timeout``, before the call's
+``timeout`` runs) and stop at
 :meth:`MCPServers.release`; :meth:`MCPServers.close` stops everything (``atexit`` too). Every
-session lives on one thread of the pool's (:mod:`.client`), which spawns every server so that
-the servers' parent-death signal outlives no trainer. A server that dies is started again once
+session lives on one thread of the pool's (:mod:`.client`), which also spawns every server: a
+server's parent-death signal fires when the thread that spawned it exits, and this one lives as
+long as the pool. A server that dies is started again once
 (the call that saw it die fails; the next one runs on the new server); when the second one dies
 too, every later call fails at once, naming the server.
 """
@@ -40,7 +42,7 @@ from agentrl_fast.harness.mcp.client import (Connection, LoopThread, MCPServerEr
                                              connection_closed, kill_group, require_mcp,
                                              result_text, wrapped_argv)
 from agentrl_fast.harness.mcp.tools import ToolSpec, build_tool, tool_specs
-from agentrl_fast.harness.tools import Tool
+from agentrl_fast.harness.tools import Tool, ToolTimeout
 
 SCOPES = ("shared", "rollout")
 ROLLOUT_DIR = "{rollout_dir}"
@@ -59,8 +61,8 @@ class MCPServerSpec:
 
     ``command``/``args``/``env``/``cwd``: a stdio server (``env`` is added to a minimal
     environment: ``HOME``, ``LOGNAME``, ``PATH``, ``SHELL``, ``TERM``, ``USER``); ``url``: a
-    streamable HTTP server instead. ``timeout``: seconds per call (a rollout server's start, at
-    its first call, included); ``startup_timeout``: seconds for a start. ``sandbox``: run the
+    streamable HTTP server instead. ``timeout``: seconds per call; ``startup_timeout``: seconds
+    for a start (a rollout server's first call may wait for both). ``sandbox``: run the
     stdio server under bubblewrap (:mod:`agentrl_fast.harness.sandbox`): no network, a read-only
     view of the system and the interpreter plus ``read_only_paths``, its folder (the rollout's,
     or a fresh one for a shared server) writable and its working directory. ``prefix``: put
@@ -263,9 +265,12 @@ class _Server:
         return connection
 
     async def call(self, name: str, arguments: dict) -> str:
+        """``tools/call`` within the spec's ``timeout`` (after the start, if it must start)."""
         connection = await self.ready()
         try:
-            result = await connection.call(name, arguments)
+            result = await asyncio.wait_for(connection.call(name, arguments), self.spec.timeout)
+        except (asyncio.TimeoutError, TimeoutError):  # wait_for's: the SDK raises MCPError
+            raise ToolTimeout(self.spec.timeout) from None
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - the SDK's and the transport's

@@ -3,8 +3,9 @@
 A listed tool keeps its name (after the spec's ``prefix``), description and ``inputSchema``, so
 it appears in the tools header like a ``@tool`` function and its calls go through the same
 ``ToolRegistry``: arguments are checked against the server's schema before anything is sent,
-the spec's ``timeout`` bounds each call, and every failure (an ``isError`` answer, a protocol
-error, a dead server) is an exception the registry turns into an error result the model reads.
+the spec's ``timeout`` bounds each call (a ``timeout`` result; a server's start is not counted),
+and every failure (an ``isError`` answer, a protocol error, a dead server) is an exception the
+registry turns into an error result the model reads.
 A schema the registry cannot use, or a name taken twice, is an error when the server's tools
 are listed, naming the server and the tool.
 """
@@ -22,7 +23,9 @@ from agentrl_fast.harness.tools import Tool, ToolRegistry
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """One listed tool: ``name`` as the model sees it, ``remote`` as the server knows it."""
+    """One listed tool: ``name`` as the model sees it, ``remote`` as the server knows it. The
+    call keeps ``timeout`` itself (:class:`~agentrl_fast.harness.tools.ToolTimeout`); the
+    registry's timeout, ``timeout + startup_timeout``, is only a backstop."""
 
     server: str
     name: str
@@ -30,6 +33,7 @@ class ToolSpec:
     description: str
     parameters: dict
     timeout: float
+    startup_timeout: float
 
 
 class _RemoteCall:
@@ -45,7 +49,7 @@ class _RemoteCall:
 def build_tool(spec: ToolSpec, call: Callable[[str, dict], Awaitable[str]]) -> Tool:
     """The :class:`Tool` of ``spec`` whose calls go through ``call(remote name, arguments)``."""
     return Tool(name=spec.name, description=spec.description, parameters=spec.parameters,
-                fn=_RemoteCall(spec.remote, call), timeout=spec.timeout)
+                fn=_RemoteCall(spec.remote, call), timeout=spec.timeout + spec.startup_timeout)
 
 
 def tool_specs(server, listed: list, taken: dict[str, str]) -> list[ToolSpec]:
@@ -70,7 +74,7 @@ def tool_specs(server, listed: list, taken: dict[str, str]) -> list[ToolSpec]:
         parameters = checked_schema(listed_tool.input_schema, server.name, listed_tool.name)
         specs.append(ToolSpec(server.name, name, listed_tool.name,
                               listed_tool.description or listed_tool.title or "", parameters,
-                              float(server.timeout)))
+                              float(server.timeout), float(server.startup_timeout)))
     return specs
 
 
