@@ -133,14 +133,17 @@ def result_text(result) -> str:
 class Connection:
     """One running server: a task on the :class:`LoopThread` that holds its transport and
     session. ``argv``/``env``/``cwd``: the process to spawn (stdio), else ``url`` (streamable
-    HTTP). Start with :meth:`start`, call with :meth:`call`, end with :meth:`stop`; ``exited``
-    says whether the session ended (the server died, or :meth:`stop`)."""
+    HTTP); ``shown``: how errors name it (the server's own command line, not the wrappers').
+    Start with :meth:`start`, call with :meth:`call`, end with :meth:`stop`; ``exited`` says
+    whether the session ended (the server died, or :meth:`stop`)."""
 
     def __init__(self, label: str, *, argv: list[str] | None = None,
                  env: dict[str, str] | None = None, cwd: str | None = None,
-                 url: str | None = None, state_dir: Path, status_fd: int = -1):
+                 url: str | None = None, state_dir: Path, status_fd: int = -1,
+                 shown: str | None = None):
         self.label, self.argv, self.env, self.cwd, self.url = label, argv, env, cwd, url
         self.state_dir, self.status_fd = state_dir, status_fd
+        self.shown = shown if shown is not None else url if url is not None else " ".join(argv)
         self.session = None
         self.tools: list = []  # what tools/list answered at the start
         self.exited = False
@@ -173,13 +176,6 @@ class Connection:
             text = text.replace("+", "", 1) if text.startswith("+") else text  # the launcher's
         return text.strip()
 
-    def describe(self) -> str:
-        """What was started: the command line or the URL."""
-        if self.url is not None:
-            return self.url
-        return " ".join(self.argv[self.argv.index("--") + 1:] if "--" in self.argv
-                        else self.argv)
-
     # -- lifecycle (on the loop thread) -------------------------------------------------------
 
     async def start(self, timeout: float) -> list:
@@ -200,9 +196,9 @@ class Connection:
 
     def _start_failure(self, what: str) -> str:
         tail = self.stderr_tail()
-        shown = f"; the end of its stderr:\n{tail}" if tail else "; its stderr was empty"
-        return (f"MCP server {self.label!r} ({self.describe()}) failed to start: {what}"
-                + ("" if self.url is not None else shown))
+        stderr = f"; the end of its stderr:\n{tail}" if tail else "; its stderr was empty"
+        return (f"MCP server {self.label!r} ({self.shown}) failed to start: {what}"
+                + ("" if self.url is not None else stderr))
 
     async def _own(self, ready: asyncio.Future) -> None:
         mcp = require_mcp()

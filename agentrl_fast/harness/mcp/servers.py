@@ -285,7 +285,7 @@ class _Server:
     async def _died(self, connection: Connection) -> str:
         """The message for a call that saw the server die; starts it again once."""
         tail = connection.stderr_tail()[-_DIED_TAIL_CHARS:]  # the model reads it: kept short
-        what = (f"MCP server {self.spec.name!r} ({connection.describe()}) died during the call"
+        what = (f"MCP server {self.spec.name!r} ({connection.shown}) died during the call"
                 + (f"; the end of its stderr: {tail!r}; " if tail else "; "))
         if self.connection is connection:
             self.connection = None
@@ -514,12 +514,12 @@ class MCPServers:
         rollout_dir = str(folder) if spec.scope == "rollout" else None
         argv, env, cwd = spec.placed(rollout_dir)
         cwd = rollout_dir if cwd is None else cwd  # a rollout server works in its folder
-        status_fd = -1
+        status_fd, shown = -1, " ".join(argv)
         if spec.sandbox:
             argv = self._sandboxed(spec, argv, folder)
             cwd, status_fd = str(folder), _SANDBOX_STATUS_FD
         return Connection(label, argv=wrapped_argv(argv, state / "pid", status_fd), env=env,
-                          cwd=cwd, state_dir=state, status_fd=status_fd)
+                          cwd=cwd, state_dir=state, status_fd=status_fd, shown=shown)
 
     def _sandboxed(self, spec: MCPServerSpec, argv: list[str], folder: Path) -> list[str]:
         """``argv`` under bubblewrap and the sandbox's launcher, ``folder`` writable."""
