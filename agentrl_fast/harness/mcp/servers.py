@@ -405,7 +405,8 @@ class MCPServers:
         return stopping
 
     def rollout_dir(self, rollout_key: Hashable, server: str) -> Path | None:
-        """The folder of ``rollout_key``'s ``server`` (``None`` until it started)."""
+        """The folder of ``rollout_key``'s ``server`` (``None`` before its first call and
+        after its release)."""
         found = self._servers.get((server, rollout_key))
         return found.folder if found is not None else None
 
@@ -429,7 +430,7 @@ class MCPServers:
 
     def _shutdown(self) -> None:
         loop, self._loop = self._loop, None
-        servers = [*self._servers.values(), *self._releasing]
+        servers = [*self._servers.values(), *self._releasing.copy()]  # (copy(): atomic)
         self._servers = {}
         if loop is not None and loop.alive:
             with contextlib.suppress(Exception):
