@@ -16,8 +16,8 @@ from agentrl_fast.config.errors import ConfigError
 from agentrl_fast.config.rollout import RolloutConfig
 from agentrl_fast.config.sampling import SamplingParams
 from agentrl_fast.envs import DatasetToolEnvironment, build_tokenizer
-from agentrl_fast.envs.dataset import (DEFAULT_SYSTEM_PROMPT, RewardState, load_tasks,
-                                       write_demonstrations)
+from agentrl_fast.envs.dataset import DEFAULT_SYSTEM_PROMPT, RewardState, load_tasks
+from agentrl_fast.envs.demonstrations import write_demonstrations
 from agentrl_fast.generators.scripted import ScriptedGenerator
 from agentrl_fast.harness import ChatFormat, MemoryStore, RolloutEngine, Task, render_messages
 from agentrl_fast.harness import ToolResult, rollout_metrics, tool

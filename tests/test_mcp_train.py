@@ -19,7 +19,7 @@ from agentrl_fast.config import load_config
 from agentrl_fast.config.rollout import RolloutConfig
 from agentrl_fast.config.sampling import SamplingParams
 from agentrl_fast.envs import DatasetToolEnvironment, build_tokenizer
-from agentrl_fast.envs.dataset import write_demonstrations
+from agentrl_fast.envs.demonstrations import write_demonstrations
 from agentrl_fast.generators.scripted import ScriptedGenerator
 from agentrl_fast.harness import ChatFormat, RolloutEngine
 from agentrl_fast.harness.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN

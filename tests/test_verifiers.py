@@ -200,7 +200,7 @@ def test_a_runner_killed_mid_rollout_leaves_errors_not_open_sessions(python, wor
     held = Held(trainer.engine.generator)  # every completion waits: killed mid-rollout
     proxy = Proxy(held, trainer.chat_format, trainer.config.rollout.sampling,
                   context_budget=1024)
-    timeout = 20.0
+    timeout = 12.0  # the runner imports verifiers (~4 s) and opens both sessions well before
     releaser = threading.Timer(timeout + 1, held.release.set)
     releaser.start()
     with ProxyServer(proxy) as server:

@@ -9,7 +9,7 @@ roles, assistant ``tool_calls`` as ``[{"type": "function", "function": {"name", 
 conversation is rendered by :class:`~agentrl_fast.harness.ChatFormat` (token-exact with the
 model's tokenizer); its assistant turns, and the stop token that ends each, are the tokens
 trained on. The dataset tool environment writes such files from a scripted policy
-(:func:`agentrl_fast.envs.dataset.write_demonstrations`).
+(:func:`agentrl_fast.envs.demonstrations.write_demonstrations`).
 """
 
 from __future__ import annotations
