@@ -418,9 +418,11 @@ time.sleep(600)
 """
 
 
-def test_no_server_outlives_a_sigkilled_owner():
+def test_no_server_outlives_a_sigkilled_owner(tmp_path):
     marker = f"owner-{uuid.uuid4().hex}"
+    # The killed owner cannot remove its rollout folders: they go to the test's tmp_path.
     owner = subprocess.Popen([sys.executable, "-c", OWNER, TOY, marker], cwd=ROOT,
+                             env={**os.environ, "TMPDIR": str(tmp_path)},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = [owner.stdout.readline() for _ in range(2)]
