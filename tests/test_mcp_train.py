@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -107,17 +110,20 @@ def test_the_engine_releases_rollout_servers_however_rollouts_end(toy_env, chat)
 # ---------------------------------------------------------------------------------------------
 # Acceptance: two PPO steps with MCP servers from a YAML config.
 
-def test_a_config_with_mcp_servers_trains_two_ppo_steps(tmp_path, template):  # noqa: F811
+def write_mcp_run(folder: Path, template: Path) -> Path:
+    """A run's YAML config (beside its tasks, reward and demonstrations) of the dataset tool
+    environment with ``mcp-server-git`` per rollout on a copy of ``template`` and a shared
+    ``server-memory``: two PPO steps of 2 tasks x 2 samples."""
     memory = memory_server()
     prompts = [(f"Find the first commit's message (repository '.'), then say it. #{i}",
                 "the first commit") for i in range(6)]
-    train = write_tasks(tmp_path, prompts)
+    train = write_tasks(folder, prompts)
     servers = [
         {"name": "git", "command": "mcp-server-git", "args": ["--repository", "{rollout_dir}"],
          "scope": "rollout", "rollout_dir_template": str(template),
          "include": ["git_log", "git_status"], "timeout": 20},
         {"name": "memory", "command": "node", "args": [memory],
-         "env": {"MEMORY_FILE_PATH": str(tmp_path / "memory.jsonl")},
+         "env": {"MEMORY_FILE_PATH": str(folder / "memory.jsonl")},
          "include": ["read_graph"], "prefix": "memory_"}]
     args = {"train": train.name, "reward": "mcp_reward:score", "eval_fraction": 0.34,
             "mcp_servers": servers}
@@ -127,13 +133,13 @@ def test_a_config_with_mcp_servers_trains_two_ppo_steps(tmp_path, template):  # 
             return {"content": task.data["answer"]}
         return {"tool_calls": [{"name": "git_log", "arguments": {"repo_path": "."}}]}
 
-    env = DatasetToolEnvironment(**args, search=[tmp_path])
+    env = DatasetToolEnvironment(**args, search=[folder])
     try:
-        assert write_demonstrations(env, expert, tmp_path / "demos.jsonl") == 4
+        assert write_demonstrations(env, expert, folder / "demos.jsonl") == 4
     finally:
         env.close()
     config = {
-        "run_dir": str(tmp_path / "run"),
+        "run_dir": str(folder / "run"),
         "env": {"name": "dataset", "args": args},
         "model": {"vocab_size": 512},
         "warmstart": {"data": "demos.jsonl", "steps": 30, "lr": 1.0e-2, "batch_sequences": 4,
@@ -142,9 +148,14 @@ def test_a_config_with_mcp_servers_trains_two_ppo_steps(tmp_path, template):  # 
             "samples_per_task": 2, "context_budget": 1024, "max_turns": 2,
             "sampling": {"max_new_tokens": 48}}},
         "eval": {"tasks": 2}}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (folder / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return folder / "run.yaml"
+
+
+def test_a_config_with_mcp_servers_trains_two_ppo_steps(tmp_path, template):  # noqa: F811
+    config = write_mcp_run(tmp_path, template)
     before = _children()
-    summary = train_run(load_config(tmp_path / "run.yaml"), progress=False, print_fn=print)
+    summary = train_run(load_config(config), progress=False, print_fn=print)
     assert summary["steps"] == 2
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
             .splitlines()]
@@ -153,6 +164,45 @@ def test_a_config_with_mcp_servers_trains_two_ppo_steps(tmp_path, template):  # 
     assert sum(r["tool_calls"] for r in steps) > 0, steps  # the rollouts called MCP tools
     assert min(r["tool_error_rate"] for r in steps) < 1, steps  # and some calls answered
     assert gone(_children() - before)  # every server stopped with the run
+
+
+def _children_of(pid: int) -> set[int]:
+    """Live child processes of ``pid``."""
+    found = set()
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.add(int(child))
+    return found
+
+
+def test_no_server_outlives_a_sigkilled_trainer(tmp_path, template):  # noqa: F811
+    """``agentrl-fast train`` SIGKILLed while its rollouts' git servers run: the shared
+    server and the rollout servers die with it (parent-death signal)."""
+    config = write_mcp_run(tmp_path, template)
+    trainer = subprocess.Popen([sys.executable, "-c", "from agentrl_fast.cli import main; main()",
+                                "train", "--config", str(config)], cwd=tmp_path,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env={**os.environ, "TMPDIR": str(tmp_path)})
+    servers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and trainer.poll() is None:
+            servers |= _children_of(trainer.pid)
+            if servers & set(processes_with("--repository")):  # a rollout's git server runs
+                break
+            time.sleep(0.05)
+        assert trainer.poll() is None, trainer.stderr.read()[-2000:]
+        servers |= _children_of(trainer.pid)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert len(servers) >= 2, servers  # the shared memory server and a rollout's git server
+    assert gone(servers), servers
 
 
 def test_a_cancelled_stream_releases_the_servers_of_its_groups_in_flight(toy_env, chat):
