@@ -42,8 +42,9 @@ STAGE_MODULES = {
     "sanitize": BENCH,
 }
 # Backends and baselines used only when importable (skipped with a note otherwise); httpx only
-# when a VLLMGenerator is made (vLLM is not on the GPU machine).
-OPTIONAL_MODULES = ("flash_attn", "liger_kernel", "torchrl", "httpx")
+# when a VLLMGenerator is made (vLLM is not on the GPU machine); the MCP SDK's (mcp, mcp_types,
+# anyio) only when an MCP tool server starts (no GPU test starts one).
+OPTIONAL_MODULES = ("flash_attn", "liger_kernel", "torchrl", "httpx", "mcp", "mcp_types", "anyio")
 # The scripts each stage runs: the sources tests/test_gpu_suite.py scans for STAGE_MODULES.
 STAGE_SCRIPTS = {
     "build": (),

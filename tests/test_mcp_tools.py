@@ -314,8 +314,9 @@ def test_mcp_server_git_on_a_repository_per_rollout(template):
                                                capture_output=True, text=True).stdout
 
 
-def _children() -> set[int]:
-    """Live child processes of this one (the servers pools spawned)."""
+def _children(parent: int | None = None) -> set[int]:
+    """Live child processes of ``parent`` (default this one: the servers pools spawned)."""
+    parent = os.getpid() if parent is None else parent
     mine = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -323,7 +324,7 @@ def _children() -> set[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+        if int(fields[1]) == parent and fields[0] != "Z":
             mine.add(int(pid))
     return mine
 

@@ -166,20 +166,6 @@ def test_a_config_with_mcp_servers_trains_two_ppo_steps(tmp_path, template):  # 
     assert gone(_children() - before)  # every server stopped with the run
 
 
-def _children_of(pid: int) -> set[int]:
-    """Live child processes of ``pid``."""
-    found = set()
-    for child in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{child}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.add(int(child))
-    return found
-
-
 def test_no_server_outlives_a_sigkilled_trainer(tmp_path, template):  # noqa: F811
     """``agentrl-fast train`` SIGKILLed while its rollouts' git servers run: the shared
     server and the rollout servers die with it (parent-death signal)."""
@@ -192,12 +178,12 @@ def test_no_server_outlives_a_sigkilled_trainer(tmp_path, template):  # noqa: F8
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and trainer.poll() is None:
-            servers |= _children_of(trainer.pid)
+            servers |= _children(trainer.pid)
             if servers & set(processes_with("--repository")):  # a rollout's git server runs
                 break
             time.sleep(0.05)
         assert trainer.poll() is None, trainer.stderr.read()[-2000:]
-        servers |= _children_of(trainer.pid)
+        servers |= _children(trainer.pid)
     finally:
         trainer.kill()
         trainer.wait()

@@ -25,16 +25,11 @@ from agentrl_fast.envs import VaultEnvironment, build_tokenizer  # noqa: E402
 from agentrl_fast.generators import ScriptedGenerator  # noqa: E402
 from agentrl_fast.harness import ChatFormat  # noqa: E402
 from agentrl_fast.proxy import Proxy, ProxyServer  # noqa: E402
+from test_proxy_stream import MESSAGES, TOOLS  # noqa: E402
 
 litellm.telemetry = False
 litellm.suppress_debug_info = True
 
-TOOLS = [{"type": "function", "function": {
-    "name": "open_vault", "description": "Open a vault.",
-    "parameters": {"type": "object", "properties": {"name": {"type": "string"}},
-                   "required": ["name"]}}}]
-MESSAGES = [{"role": "system", "content": "You open vaults."},
-            {"role": "user", "content": "Collect the codes of vaults amber, birch."}]
 
 
 def call(name: str) -> str:
