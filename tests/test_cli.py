@@ -102,6 +102,11 @@ def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
      "warmstart.load: '" + str(ROOT / "README.md") + "' is not a state dict of this run's model"),
     (["--set", "warmstart.check_tasks=60"],
      "eval.tasks (200) + warmstart.check_tasks (60) exceed env.eval_size (250)"),
+    (["--set", "eval.every=0"], "eval.every must be >= 1 (or null: off), got 0"),
+    (["--set", "eval.every=5", "--set", "eval.every_tasks=300"],
+     "eval.every_tasks must be in [1, eval.tasks (200)]"),
+    (["--algo", "grpo", "--set", "train.rollout.samples_per_task=1"],
+     "train.rollout.samples_per_task must be >= 2 with GRPO's advantages"),
 ])
 def test_bad_configuration_fails_at_start_naming_the_field(args, fragment, tmp_path, capsys):
     # In this process: `main` is what the console script runs (the child-process path is
@@ -194,3 +199,30 @@ def test_config_files_and_overrides():
     assert isinstance(to_dict(config), dict) and isinstance(config, RunConfig)
     with pytest.raises(ConfigError, match="expected field=value"):
         apply_overrides(config, ["train.steps"])
+
+
+def test_critic_warmup_and_periodic_eval_rows_and_resume(tmp_path):
+    """A run with critic_warmup_steps=1 and eval.every=1: a critic_warmup row (its own step
+    numbering) before the RL steps, an eval row on eval.every_tasks tasks after every RL step
+    but the last, the periodic evaluations' share of the run in the summary; resumed, the
+    warm-up is not redone."""
+    from agentrl_fast.train.run import train_run
+    overrides = [item for item in TINY if item != "--set"] + [
+        "train.critic_warmup_steps=1", "eval.every=1", "eval.every_tasks=2", "train.steps=2",
+        "warmstart.steps=2", "warmstart.target_success=null", f"run_dir={tmp_path / 'run'}"]
+    config = apply_overrides(RunConfig(), overrides)
+    summary = train_run(config, progress=False, print_fn=lambda *args: None)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert [r["kind"] for r in rows if r["kind"] != "warmstart"] == [
+        "eval", "critic_warmup", "train", "eval", "train", "eval"]
+    periodic = [r for r in rows if r.get("eval_tasks")]
+    assert [(r["step"], r["eval_tasks"]) for r in periodic] == [(1, 2)]
+    assert summary["steps"] == 2 and 0 < summary["periodic_eval_share"] < 1
+    assert summary["periodic_eval_seconds"] == pytest.approx(periodic[0]["eval_seconds"])
+    train_run(apply_overrides(config, ["train.steps=3"]), progress=False,
+              print_fn=lambda *args: None, resume=True)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "critic_warmup"] == [1]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]

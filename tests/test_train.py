@@ -2,6 +2,7 @@
 at 1), GAE chained across sub-traces against a float64 reference, PPO and GRPO steps that
 learn, and kill -9 + resume reproducing an uninterrupted run."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -111,15 +112,138 @@ def test_a_few_steps_learn(chat, algo, critic):
         assert trainer.value_head.score.weight.abs().sum() > 0  # the shared head learned
 
 
-def test_critic_warmup_trains_only_the_critic(chat):
+def warmup_config(**overrides):
+    """Two tasks x two samples, gamma = lam_critic = 1 without a bootstrap: each action token's
+    value target is its rollout's reward-to-go; the policy's own lam (0.5) differs."""
+    base = dict(steps=1, critic_warmup_steps=2, tasks_per_step=2, kl_coef=0.0, lam=0.5,
+                critic_lam=1.0, bootstrap_truncated=False,
+                rollout=dataclasses.replace(train_config().rollout, samples_per_task=2))
+    base.update(overrides)
+    return train_config(**base)
+
+
+def capture_batches(trainer, monkeypatch) -> list:
+    """The (batch, context) of every update_epochs call of ``trainer``."""
+    seen, update = [], ppo_module.update_epochs
+
+    def spy(models, optimizers, ctx, batch):
+        seen.append((batch, ctx))
+        return update(models, optimizers, ctx, batch)
+    monkeypatch.setattr(ppo_module, "update_epochs", spy)
+    return seen
+
+
+def reward_to_go(batch) -> torch.Tensor:
+    """float64, by hand: per rollout (its sub-traces in order) the sum of its rewards from each
+    token on; 0 off the action tokens."""
+    out = torch.zeros(batch.packed.num_tokens, dtype=torch.float64)
+    rewards, starts = batch.rewards.double(), [0]
+    for length in batch.lengths:
+        starts.append(starts[-1] + length)
+    for rollout in batch.rollout_index.unique().tolist():
+        spans = [range(starts[i], starts[i + 1]) for i in range(batch.num_sequences)
+                 if batch.rollout_index[i] == rollout]
+        positions = torch.tensor([t for span in spans for t in span])
+        out[positions] = rewards[positions].flip(0).cumsum(0).flip(0)
+    return torch.where(batch.action_mask, out, torch.zeros((), dtype=torch.float64))
+
+
+def test_critic_warmup_pretrains_only_the_critic_before_the_rl_steps(chat, monkeypatch):
+    """critic_warmup_steps=2: two extra steps before RL step 1, each on a fresh batch, train
+    the critic alone on the value targets gae_advantages gives with critic_lam (checked against
+    a float64 reward-to-go); the policy, its optimizer and schedule, the KL coefficient and the
+    step count stay; then `steps` RL steps run as without a warm-up."""
     policy = policy_for(chat)
-    trainer = Trainer(policy, chat, ParityVaultEnvironment(),
-                      train_config(steps=1, critic_warmup_steps=1, kl_coef=0.0))
+    trainer = Trainer(policy, chat, ParityVaultEnvironment(), warmup_config(kl_coef=0.01),
+                      log=lambda *args: None)
+    seen = capture_batches(trainer, monkeypatch)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     critic_before = {k: v.clone() for k, v in trainer.critic.state_dict().items()}
-    trainer.train()
+    rows = trainer.warm_up_critic()
+    assert [r["step"] for r in rows] == [1, 2] and all(r["value_loss"] > 0 for r in rows)
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
-    assert any(not torch.equal(v, critic_before[k]) for k, v in trainer.critic.state_dict().items())
+    assert any(not torch.equal(v, critic_before[k])
+               for k, v in trainer.critic.state_dict().items())
+    assert trainer.policy_optimizer.state_dict()["state"] == {}
+    assert trainer.policy_scheduler.last_epoch == 0 and trainer.critic_scheduler.last_epoch == 0
+    assert trainer.kl_coef == 0.01 and trainer.step_index == 0
+    assert trainer.critic_warmup_index == 2 and trainer.data_position == 4  # fresh tasks each
+    (first, ctx), (second, _) = seen
+    assert ctx.critic_only and first.sub_traces[0].rollout_id != second.sub_traces[0].rollout_id
+    _, returns = gae_advantages(first.sub_traces, first.split(first.values), first.last_values,
+                                gamma=1.0, lam=1.0, bootstrap_truncated=False)
+    assert torch.equal(first.returns, torch.cat(returns))
+    assert torch.allclose(first.returns.double(), reward_to_go(first), atol=1e-6)
+    assert trainer.warm_up_critic() == []  # done: nothing more
+    history = trainer.train()
+    assert len(history) == 1 and trainer.step_index == 1 and history[0]["step"] == 1
+    assert not seen[-1][1].critic_only
+    assert any(not torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+
+
+def test_critic_warmup_of_a_shared_critic_trains_its_value_head_alone(chat):
+    policy = policy_for(chat)
+    trainer = Trainer(policy, chat, ParityVaultEnvironment(),
+                      warmup_config(critic="shared", critic_warmup_steps=1))
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    [row] = trainer.warm_up_critic()
+    assert row["value_loss"] > 0 and row["critic_grad_norm"] > 0
+    assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+    assert trainer.value_head.score.weight.abs().sum() > 0
+    state = trainer.policy_optimizer.state
+    assert not any(p in state for p in policy.parameters())  # the policy's moments untouched
+    assert all(p in state for p in trainer.value_head.parameters())
+
+
+def test_train_on_refuses_a_pending_critic_warmup(chat):
+    trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), warmup_config())
+    with pytest.raises(ValueError, match="critic_warmup_steps > 0 pre-trains the critic"):
+        trainer.train_on([])
+
+
+def test_a_checkpoint_during_the_critic_warmup_resumes_it(tmp_path, chat):
+    """checkpoint_every=1: a checkpoint after warm-up step 1 (at RL step 0); a warm-up stopped
+    there and resumed ends where an uninterrupted one does (resuming after it: test_cli)."""
+    config = warmup_config(checkpoint_dir=str(tmp_path / "a"), checkpoint_every=1)
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_2(metrics):
+        if metrics["step"] == 2:
+            raise Stop
+
+    first = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config)
+    with pytest.raises(Stop):
+        first.train(warmup_callback=stop_at_2)
+    resumed = Trainer(policy_for(chat), chat, ParityVaultEnvironment(), config, resume=True)
+    assert (resumed.critic_warmup_index, resumed.step_index) == (1, 0)
+    rows = []
+    resumed.train(steps=0, warmup_callback=rows.append)
+    assert [r["step"] for r in rows] == [2] and resumed.step_index == 0
+    whole = Trainer(policy_for(chat), chat, ParityVaultEnvironment(),
+                    dataclasses.replace(config, checkpoint_dir=str(tmp_path / "b")))
+    whole.train(steps=0)
+    assert resumed.data_position == whole.data_position == 4
+    for x, y in zip(resumed.critic.state_dict().values(), whole.critic.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_ppo_learns_from_one_rollout_per_task_and_grpo_refuses_it(chat):
+    """samples_per_task=1: PPO's critic is the baseline, so a step learns (the advantages are
+    not all 0); GRPO's group of one has none and is refused, as is filter_groups."""
+    one = dataclasses.replace(train_config().rollout, samples_per_task=1)
+    trainer = Trainer(policy_for(chat), chat, ParityVaultEnvironment(),
+                      train_config(steps=1, rollout=one, tasks_per_step=4, kl_coef=0.0))
+    seen = []
+    trainer.train(callback=seen.append)
+    assert seen[0]["policy_grad_norm"] > 0 and seen[0]["value_loss"] > 0
+    grpo = Trainer(policy_for(chat), chat, ParityVaultEnvironment(),
+                   train_config(algo="grpo", steps=1, rollout=one, kl_coef=0.0))
+    with pytest.raises(ValueError, match="samples_per_task must be >= 2 for GRPO"):
+        grpo.step()
+    with pytest.raises(ValueError, match="filter_groups needs rollout.samples_per_task >= 2"):
+        train_config(filter_groups=True, rollout=one)
 
 
 @pytest.mark.parametrize("critic_epochs,critic_steps", [(None, 4), (1, 2), (3, 6)])

@@ -150,8 +150,13 @@ class TrainConfig:
     """``critic="shared"``: the value loss's weight in the shared backward
     (``pg + value_coef * value loss``)."""
     critic_warmup_steps: int = 0
-    """Steps at the start that train only the critic (the policy is not updated), so its
-    values are sensible before they shape advantages."""
+    """Critic pre-training (CompactionRL's value pre-training): this many extra steps before RL
+    step 1, outside ``steps``, each on a fresh batch of rollouts of the unchanged policy, whose
+    value targets (GAE returns, ``critic_lam`` or the policy's lambda) train only the critic
+    (the separate critic's ``critic_epochs`` passes; a shared critic's value head alone, the
+    backbone frozen, in ``epochs`` passes), so its values are sensible before they shape
+    advantages. The policy, its optimizer, both learning-rate schedules, the KL coefficient and
+    the step count do not move (``critic_warmup`` metrics rows, numbered 1..N)."""
     critic_epochs: int | None = None
     """The separate critic's epochs over the batch, on the same mini-batches (verl's critic
     ``ppo_epochs``); None: ``epochs``."""

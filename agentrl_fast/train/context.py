@@ -16,8 +16,9 @@ from agentrl_fast.train.step_batch import StepBatch
 @dataclass
 class StepContext:
     """The run's ``config``, the models' ``device``, the sampling ``temperature``, this step's
-    ``kl_coef`` and number (``step``), the ``world`` (None: one process) and the critic's
-    ``overlap`` beside the policy (CPU)."""
+    ``kl_coef`` and number (``step``), the ``world`` (None: one process), the critic's
+    ``overlap`` beside the policy (CPU), and ``critic_only``: a critic warm-up step, in which
+    only the critic (or a shared critic's value head) learns."""
 
     config: TrainConfig
     device: torch.device
@@ -26,6 +27,7 @@ class StepContext:
     step: int
     world: World | None = None
     overlap: CriticOverlap | None = None
+    critic_only: bool = False
 
     def plan(self, batch: StepBatch, indices: Sequence[int]) -> list[list[int] | None]:
         """This rank's micro-batches of sub-traces ``indices`` (None: an empty one, so every

@@ -3,7 +3,8 @@ the numeric metrics) and TensorBoard events (``tb/``, scalars ``<kind>/<metric>`
 CLI's runs and from a script alike:
 
     with MetricsLogger("runs/mine") as logger:
-        trainer.train(callback=logger)          # a "train" row per step
+        trainer.train(callback=logger,          # a "train" row per step
+                      warmup_callback=lambda m: logger.write("critic_warmup", m["step"], m))
         logger.write("eval", trainer.step_index, evaluate(...))
 """
 
@@ -29,8 +30,8 @@ class MetricsLogger:
             self.writer = None
 
     def write(self, kind: str, step: int, metrics: dict) -> None:
-        """One row: ``kind`` ("train", "eval", "warmstart", ...), ``step`` and the numeric
-        values of ``metrics`` (others are left out)."""
+        """One row: ``kind`` ("train", "eval", "warmstart", "critic_warmup", ...), ``step``
+        and the numeric values of ``metrics`` (others are left out)."""
         row = {"kind": kind, "step": step, **{k: v for k, v in metrics.items()
                                                if isinstance(v, (int, float))}}
         self.file.write(json.dumps(row) + "\n")

@@ -9,6 +9,8 @@ reference log-probs on packed micro-batches (:mod:`~agentrl_fast.train.scoring`)
 :mod:`~agentrl_fast.train.overlap`) -> warmup/decay -> KL controller -> metrics. The models and
 optimizers: :mod:`~agentrl_fast.train.models`; checkpoints and exports:
 :mod:`~agentrl_fast.train.state`; the ranks' collectives: :mod:`~agentrl_fast.train.distributed`.
+Before RL step 1, ``critic_warmup_steps`` steps of the same kind train the critic alone
+(:meth:`Trainer.warm_up_critic`).
 
 Determinism on the CPU: episode seeds derive from (seed, task id, sample index) in the rollout
 engine, the task order and mini-batch order from ``seed``, micro-batching is a function of the
@@ -110,6 +112,7 @@ class Trainer:
         self.temperature = config.rollout.sampling.temperature or 1.0
         self.kl_coef = config.kl_coef
         self.step_index = 0
+        self.critic_warmup_index = 0  # critic warm-up steps done (outside step_index)
         self.data_position = 0
         self.tasks = list(environment.tasks("train"))
         if config.tasks_per_step > len(self.tasks):
@@ -130,11 +133,49 @@ class Trainer:
     # -- one step: rollouts -> scores -> advantages -> updates -> metrics ----------------------
 
     def step(self) -> dict[str, float]:
+        """One RL step (after the critic's warm-up, run first if not done yet)."""
+        self.warm_up_critic()
         start = time.perf_counter()
         self.policy.eval()
         self.rollout_policy.eval()
         every, trajectories, rounds = self._collect()
         return self._step_on(every, trajectories, rounds, start)
+
+    def warm_up_critic(self, callback=None) -> list[dict[str, float]]:
+        """The critic's warm-up steps not done yet (``critic_warmup_steps``, none once done):
+        each rolls out a fresh batch with the unchanged policy and trains only the critic on
+        its value targets; the policy, its optimizer, the schedules, the KL coefficient and
+        ``step_index`` stay as they are. Returns their metrics (``step``: the warm-up step,
+        1..N), each also passed to ``callback``; checkpointed (at RL step 0) every
+        ``checkpoint_every`` warm-up steps and after the last."""
+        history, config = [], self.config
+        while self.critic_warmup_index < config.critic_warmup_steps:
+            metrics = self._warm_up_step()
+            history.append(metrics)
+            if callback is not None:
+                callback(metrics)
+            done = self.critic_warmup_index
+            if config.checkpoint_every and (done % config.checkpoint_every == 0
+                                            or done == config.critic_warmup_steps):
+                self.save_checkpoint()
+        return history
+
+    def _warm_up_step(self) -> dict[str, float]:
+        start = time.perf_counter()
+        self.policy.eval()
+        self.rollout_policy.eval()
+        every, trajectories, _ = self._collect(("critic_warmup", self.critic_warmup_index))
+        metrics = dict(rollout_metrics(every))
+        if any(t.sub_traces for t in trajectories):
+            batch, scoring = self._scored_batch(trajectories)
+            metrics.update(scoring)
+            optimizers = Optimizers(self.policy_optimizer, self.critic_optimizer)
+            metrics.update(update_epochs(self.models, optimizers,
+                                         self._context(critic_only=True), batch))
+        self.critic_warmup_index += 1
+        metrics.update(step=self.critic_warmup_index,
+                       seconds=time.perf_counter() - start)
+        return metrics
 
     def train_on(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One step on whole rollouts collected elsewhere (the OpenAI proxy's finished sessions,
@@ -144,6 +185,10 @@ class Trainer:
         if self.producer is not None:
             raise ValueError("train_on: this trainer samples its own rollouts asynchronously "
                              "(max_staleness > 0); use max_staleness=0 with train_on")
+        if self.critic_warmup_index < self.config.critic_warmup_steps:
+            raise ValueError("train_on: critic_warmup_steps > 0 pre-trains the critic on the "
+                             "trainer's own rollouts; call warm_up_critic() first, or use "
+                             "critic_warmup_steps=0")
         start = time.perf_counter()
         self.policy.eval()
         self.rollout_policy.eval()
@@ -167,9 +212,7 @@ class Trainer:
         if learned:
             metrics.update(self._learn(trajectories))
         policy_lr = self.policy_scheduler.get_last_lr()[0]  # the rate this step used
-        # A schedule moves when its optimizer stepped (policy, or the shared head).
-        if learned and (self.step_index >= config.critic_warmup_steps
-                        or self.value_head is not None):
+        if learned:  # a schedule moves when its optimizer stepped
             self.policy_scheduler.step()
         if learned and self.critic_scheduler is not None:
             self.critic_scheduler.step()
@@ -184,19 +227,26 @@ class Trainer:
             self.save_checkpoint()
         return metrics
 
-    def _collect(self) -> tuple[list[Trajectory], list[Trajectory], int]:
-        """``(all rollouts of the step, those trained on, rounds)``. Without ``filter_groups``
+    def _collect(self, stream: tuple | None = None
+                 ) -> tuple[list[Trajectory], list[Trajectory], int]:
+        """``(all rollouts of the step, those trained on, rounds)``; ``stream`` names the step
+        in its rollouts' seeds (default ``("step", step_index)``; a critic warm-up step's its
+        own). Without ``filter_groups``
         one round, all trained on; with it, rounds until ``tasks_per_step`` groups whose rewards
         differ are found (or ``max_rollout_rounds``), the first ``tasks_per_step`` kept."""
         config = self.config
+        if config.advantage == "grpo" and config.rollout.samples_per_task < 2:
+            raise ValueError("rollout.samples_per_task must be >= 2 for GRPO's advantages: a "
+                             "group of one rollout has no baseline (its advantage is 0)")
         if self.producer is not None:
             return self._take()
+        stream = stream or ("step", self.step_index)
         if not config.filter_groups:
-            batch = self._rollouts(0)
+            batch = self._rollouts(stream, 0)
             return batch, [t for t in batch if t.error is None], 1
         every, kept = [], []
         for round_index in range(config.max_rollout_rounds):
-            batch = self._rollouts(round_index)
+            batch = self._rollouts(stream, round_index)
             every += batch
             kept += groups_with_signal([t for t in batch if t.error is None])
             if len(kept) >= config.tasks_per_step:
@@ -242,13 +292,12 @@ class Trainer:
         every = [t for g in kept + dropped for t in g.trajectories]
         return every, [t for g in kept for t in g.trajectories if t.error is None], 1
 
-    def _rollouts(self, round_index: int) -> list[Trajectory]:
+    def _rollouts(self, stream: tuple, round_index: int) -> list[Trajectory]:
         """One batch of rollouts: ``tasks_per_step`` new tasks x ``samples_per_task``, in task
         order (under torchrun each rank runs its share and every rank gets the whole batch)."""
         config = self.config
         tasks = self._next_tasks()
-        seed = derive_seed(config.seed, "step", self.step_index, *((round_index,) if round_index
-                                                                   else ()))
+        seed = derive_seed(config.seed, *stream, *((round_index,) if round_index else ()))
         if self.world is None:
             return self.engine.run(tasks, seed=seed)
         mine = self.engine.run(self.world.tasks(tasks), seed=seed)
@@ -262,6 +311,16 @@ class Trainer:
 
     def _learn(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """Score, advantages, update and KL control on one batch of whole rollouts."""
+        batch, metrics = self._scored_batch(trajectories)
+        optimizers = Optimizers(self.policy_optimizer, self.critic_optimizer)
+        metrics.update(update_epochs(self.models, optimizers, self._context(), batch))
+        self.kl_coef = adapted_kl_coef(self.kl_coef, metrics.get("kl_ref"), len(trajectories),
+                                       self.config)
+        return metrics
+
+    def _scored_batch(self, trajectories: list[Trajectory]) -> tuple[StepBatch, dict]:
+        """The batch of ``trajectories`` scored, with its advantages and value targets, and
+        the metrics of the scoring."""
         config, metrics = self.config, {}
         batch = StepBatch.of(trajectories)
         context = self._context()
@@ -281,16 +340,11 @@ class Trainer:
             if config.kl_mode == "reward":
                 batch.rewards = batch.rewards - self.kl_coef * kl
         step_advantages(batch, config)
-        optimizers = Optimizers(self.policy_optimizer, self.critic_optimizer)
-        metrics.update(update_epochs(self.models, optimizers, context, batch))
-        if self.step_index >= config.critic_warmup_steps:  # the policy moved
-            self.kl_coef = adapted_kl_coef(self.kl_coef, metrics.get("kl_ref"),
-                                           len(trajectories), config)
-        return metrics
+        return batch, metrics
 
-    def _context(self) -> StepContext:
+    def _context(self, critic_only: bool = False) -> StepContext:
         return StepContext(self.config, self.device, self.temperature, self.kl_coef,
-                           self.step_index, self.world, self.overlap)
+                           self.step_index, self.world, self.overlap, critic_only)
 
     def refresh_rollout_policy(self) -> None:
         """The generator samples from the updated policy: under FSDP the shards are first
@@ -324,11 +378,14 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         return save_trainer_checkpoint(self)
 
-    def train(self, steps: int | None = None, callback=None) -> list[dict[str, float]]:
-        """Run until ``steps`` (default ``config.steps``) steps are done; returns the metrics of
-        the steps run now. With a ``checkpoint_dir`` and ``checkpoint_every=0``, the state at
-        the end is checkpointed (only then)."""
+    def train(self, steps: int | None = None, callback=None,
+              warmup_callback=None) -> list[dict[str, float]]:
+        """Run until ``steps`` (default ``config.steps``) RL steps are done, after the critic's
+        warm-up (:meth:`warm_up_critic`, its metrics to ``warmup_callback``); returns the
+        metrics of the RL steps run now. With a ``checkpoint_dir`` and ``checkpoint_every=0``,
+        the state at the end is checkpointed (only then)."""
         history = []
+        self.warm_up_critic(warmup_callback)
         while self.step_index < (steps if steps is not None else self.config.steps):
             metrics = self.step()
             history.append(metrics)

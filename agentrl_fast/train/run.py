@@ -4,7 +4,8 @@ vault task, the dataset tool environment or ``env.factory``'s), the tokenizer an
 vault expert's, or ``warmstart.data``'s), train with PPO or GRPO, evaluate on the held-out
 split, and leave a run folder behind:
 
-``config.yaml``, ``metrics.jsonl`` (one JSON line per step, plus warm-start and eval lines),
+``config.yaml``, ``metrics.jsonl`` (one JSON line per step, plus warm-start, critic warm-up
+and eval lines),
 TensorBoard events (``tb/``), ``curves.png`` (reward and success), ``summary.txt``,
 ``warmstart.pt`` (the policy RL starts from),
 ``checkpoints/`` (resumable), ``export/`` (``save_pretrained`` of the final models).
@@ -295,17 +296,54 @@ def load_warm_start(policy, path: str) -> None:
                           f"({str(error).splitlines()[0]})") from None
 
 
-def _forget_steps_after(path: Path, step: int) -> None:
-    """Drop the metrics rows of steps after ``step`` (the checkpoint a run resumed from): a
-    killed run may have logged steps it had not checkpointed, and they are run again."""
+def _forget_steps_after(path: Path, step: int, critic_warmup_step: int) -> None:
+    """Drop the metrics rows of steps after ``step`` (the checkpoint a run resumed from), and
+    of critic warm-up steps after ``critic_warmup_step`` (the warm-up has its own numbering):
+    a killed run may have logged steps it had not checkpointed, and they are run again."""
     if not path.exists():
         return
+
+    def kept_row(row: dict) -> bool:
+        if row["kind"] == "critic_warmup":
+            return row["step"] <= critic_warmup_step
+        return row["kind"] == "warmstart" or row["step"] <= step
+
     lines = path.read_text().splitlines()
-    kept = [line for line in lines if json.loads(line)["kind"] == "warmstart"
-            or json.loads(line)["step"] <= step]
+    kept = [line for line in lines if kept_row(json.loads(line))]
     if len(kept) != len(lines):
         with open(path, "w") as file:  # the same file: the open append handle writes after it
             file.write("".join(line + "\n" for line in kept))
+
+
+class PeriodicEval:
+    """``eval.every``: after every that many RL steps but the last (the final evaluation's),
+    :func:`evaluate` on the first ``eval.every_tasks`` held-out tasks, written as an ``eval``
+    row at the step; ``seconds``: the time they took (every rank evaluates its share)."""
+
+    def __init__(self, config: RunConfig, trainer: Trainer, chat: ChatFormat, environment,
+                 world: World | None, generator: Generator | None, outputs, print_fn):
+        self.config, self.trainer, self.chat, self.environment = (config, trainer, chat,
+                                                                  environment)
+        self.world, self.generator, self.outputs, self.print_fn = (world, generator, outputs,
+                                                                   print_fn)
+        self.seconds = 0.0
+
+    def after_step(self, step: int) -> None:
+        every = self.config.eval.every
+        if every is None or step % every or step >= self.config.train.steps:
+            return
+        start = time.perf_counter()
+        tasks = self.environment.tasks("eval")[:self.config.eval.every_tasks]
+        result = evaluate(self.trainer.rollout_policy, self.chat, self.environment, self.config,
+                          seed=self.config.seed, world=self.world, tasks=tasks,
+                          generator=self.generator)
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        if self.outputs is not None:
+            self.outputs.write("eval", step, {**result, "eval_tasks": len(tasks),
+                                              "eval_seconds": seconds})
+        self.print_fn(f"eval at step {step}: success {result['success']:.3f} on {len(tasks)} "
+                      f"held-out tasks ({seconds:.1f} s)")
 
 
 def plot_curves(run_dir: Path) -> Path:
@@ -420,7 +458,10 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
     trainer = Trainer(policy, chat, environment, train, log=print_fn, world=world,
                       generator=generator, resume=resuming)
     if resuming and main:
-        _forget_steps_after(run_dir / "metrics.jsonl", trainer.step_index)
+        _forget_steps_after(run_dir / "metrics.jsonl", trainer.step_index,
+                            trainer.critic_warmup_index)
+    periodic = PeriodicEval(config, trainer, chat, environment, world, generator, outputs,
+                            print_fn)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -440,9 +481,17 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
                                 "roll_tok_s": f"{metrics['rollout_tokens_per_second']:.0f}"}
                                if "buffer_groups" in metrics else {}))
             bar.update(1)
+        periodic.after_step(metrics["step"])
+
+    def on_warmup(metrics):
+        if outputs is not None:
+            outputs.write("critic_warmup", metrics["step"], metrics)
+        if metrics["step"] == train.critic_warmup_steps:
+            print_fn(f"critic warm-up: {metrics['step']} steps before RL, value loss "
+                     f"{metrics.get('value_loss', float('nan')):.4f} at the last")
 
     try:
-        trainer.train(callback=on_step)
+        trainer.train(callback=on_step, warmup_callback=on_warmup)
     finally:
         trainer.close()  # the asynchronous rollout producer, if any
     if bar is not None:
@@ -461,6 +510,9 @@ def _phases(config: RunConfig, progress: bool, print_fn, world: World | None, st
                "final_reward": after["reward"], "seconds": time.perf_counter() - start,
                "rl_seconds": time.perf_counter() - rl_start,  # this process's RL phase and eval
                "ranks": world.size if world is not None else 1}
+    if config.eval.every is not None:  # this process's periodic evaluations' share of its time
+        summary.update(periodic_eval_seconds=periodic.seconds,
+                       periodic_eval_share=periodic.seconds / summary["seconds"])
     if not main:
         return summary
     outputs.write("eval", trainer.step_index, after)

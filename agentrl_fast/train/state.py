@@ -17,13 +17,19 @@ from agentrl_fast.train.distributed import full_state_dict
 from agentrl_fast.train.export import export_pretrained
 
 
+def progress_state(trainer) -> dict[str, Any]:
+    """Where the run is: RL steps and critic warm-up steps done, the data position, the KL
+    coefficient."""
+    return {"step": trainer.step_index, "critic_warmup_step": trainer.critic_warmup_index,
+            "data_position": trainer.data_position,
+            "consumed_ahead": sorted(trainer.consumed_ahead), "kl_coef": trainer.kl_coef}
+
+
 def trainer_state(trainer) -> dict[str, Any]:
     state = {"policy": trainer.policy.state_dict(),
              "policy_optimizer": trainer.policy_optimizer.state_dict(),
              "policy_scheduler": trainer.policy_scheduler.state_dict(),
-             "trainer": {"step": trainer.step_index, "data_position": trainer.data_position,
-                         "consumed_ahead": sorted(trainer.consumed_ahead),
-                         "kl_coef": trainer.kl_coef},
+             "trainer": progress_state(trainer),
              "rng": rng_state(),
              "memory": trainer.memory.snapshot()}
     if trainer.value_head is not None:
@@ -57,9 +63,7 @@ def sharded_state(trainer) -> dict[str, Any]:
 def plain_state(trainer) -> dict[str, Any]:
     """Everything else (rank 0's): schedulers, progress, random streams."""
     state = {"policy_scheduler": trainer.policy_scheduler.state_dict(),
-             "trainer": {"step": trainer.step_index, "data_position": trainer.data_position,
-                         "consumed_ahead": sorted(trainer.consumed_ahead),
-                         "kl_coef": trainer.kl_coef,
+             "trainer": {**progress_state(trainer),
                          "world_size": trainer.world.size if trainer.world is not None else 1},
              "rng": rng_state()}
     if trainer.critic_scheduler is not None:
@@ -118,6 +122,9 @@ def load_trainer_state(trainer, state: dict[str, Any]) -> None:
 
 def _restore_progress(trainer, progress: dict[str, Any]) -> None:
     trainer.step_index, trainer.data_position = progress["step"], progress["data_position"]
+    # Checkpoints from before the warm-up's own count: one past step 0 had its warm-up.
+    warmed = trainer.config.critic_warmup_steps if progress["step"] else 0
+    trainer.critic_warmup_index = progress.get("critic_warmup_step", warmed)
     trainer.kl_coef = progress["kl_coef"]
     # Asynchronous runs: groups consumed past data_position (absent in older checkpoints).
     trainer.consumed_ahead = set(progress.get("consumed_ahead", ()))

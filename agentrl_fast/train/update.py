@@ -90,15 +90,17 @@ def _by_rollout(batch: StepBatch) -> list[list[int]]:
 def update_epochs(models: Models, optimizers: Optimizers, ctx: StepContext,
                   batch: StepBatch) -> dict[str, float]:
     """The step's updates: ``epochs`` (policy) and ``critic_epochs`` (critic) passes over
-    mini-batches of whole rollouts, the critic's beside the policy's. The policy is not
-    trained before ``critic_warmup_steps`` (a shared head still is). Returns the metrics
-    averaged over the updates, ``ratio_max`` the maximum."""
+    mini-batches of whole rollouts, the critic's beside the policy's. ``ctx.critic_only``
+    (critic warm-up): the separate critic's passes alone, or a shared critic's value head in
+    the policy's passes (:func:`head_update`). Returns the metrics averaged over the updates,
+    ``ratio_max`` the maximum."""
     config = ctx.config
     rollouts = _by_rollout(batch)
     critic_epochs = config.critic_epochs if config.critic_epochs is not None else config.epochs
+    policy_epochs = 0 if ctx.critic_only and models.value_head is None else config.epochs
     totals = {"policy": Counter(), "critic": Counter()}
     counts, ratio_max = Counter(), None
-    for epoch in range(max(config.epochs, critic_epochs if models.critic is not None else 0)):
+    for epoch in range(max(policy_epochs, critic_epochs if models.critic is not None else 0)):
         for group in mini_batches(len(rollouts), config.mini_batches, config.seed, ctx.step,
                                   epoch):
             indices = sorted(i for r in group for i in rollouts[r])
@@ -106,8 +108,8 @@ def update_epochs(models: Models, optimizers: Optimizers, ctx: StepContext,
                 continue
             run_critic = models.critic is not None and epoch < critic_epochs
             out = _update_mini_batch(models, optimizers, ctx, batch, indices,
-                                     (epoch < config.epochs, run_critic))
-            counts["policy"] += epoch < config.epochs
+                                     (epoch < policy_epochs, run_critic))
+            counts["policy"] += epoch < policy_epochs
             for kind, metrics in out.items():
                 if metrics is None:
                     continue
@@ -129,14 +131,14 @@ def _update_mini_batch(models: Models, optimizers: Optimizers, ctx: StepContext,
     """One mini-batch: the critic's optimizer step beside the policy's (``runs``: whether
     each runs this epoch). ``{"policy": metrics or None, "critic": metrics or None}``."""
     run_policy, run_critic = runs
-    train_policy = ctx.step >= ctx.config.critic_warmup_steps
     batch.weights = batch_weights(ctx.config, batch, indices)
     with ctx.overlap.beside(run_policy and run_critic) as beside:
         critic_job = beside(critic_update, models.critic, optimizers.critic, ctx, batch,
                             indices) if run_critic else None
         policy = None
-        if run_policy and (models.value_head is not None or train_policy):
-            policy = policy_update(models, optimizers.policy, ctx, batch, indices)
+        if run_policy:
+            update = head_update if ctx.critic_only else policy_update
+            policy = update(models, optimizers.policy, ctx, batch, indices)
         critic = critic_job() if critic_job is not None else None
     return {"policy": policy, "critic": critic}
 
@@ -165,7 +167,7 @@ def _clip_and_step(optimizer, parameters, max_norm: float) -> float:
 def policy_update(models: Models, optimizer, ctx: StepContext, batch: StepBatch,
                   indices: list[int]) -> dict[str, float]:
     """One optimizer step of the policy (and, when shared, of the value head: the loss is
-    ``pg + value_coef * value loss``, the pg term dropped during critic warmup)."""
+    ``pg + value_coef * value loss``)."""
     models.policy.train()
     optimizer.zero_grad(set_to_none=True)
     sums = Sums()
@@ -192,7 +194,7 @@ def policy_micro_batch(models: Models, ctx: StepContext, micro: MicroBatch, sums
         models.policy, *micro.model_inputs(), temperature=ctx.temperature,
         return_entropy=True, return_hidden=shared, token_mask=micro.action_mask)
     loss, metrics = POLICY_LOSSES.get(config.policy_loss)(logp, entropy, micro, ctx)
-    total = loss if ctx.step >= config.critic_warmup_steps else loss * 0.0
+    total = loss
     if ctx.world is not None:  # the reduction averages over ranks; the loss is a sum
         total = total * ctx.world.size
     share = micro.action_mask.sum().item()
@@ -214,6 +216,31 @@ def policy_micro_batch(models: Models, ctx: StepContext, micro: MicroBatch, sums
     sums.add_tokens(share, per_token)
     if "ratio_max" in metrics:
         sums.add_max("ratio_max", metrics["ratio_max"])
+
+
+def head_update(models: Models, optimizer, ctx: StepContext, batch: StepBatch,
+                indices: list[int]) -> dict[str, float]:
+    """Critic warm-up with a shared critic: one step of the value head alone on the frozen
+    backbone's features (the policy must not move). It steps the policy's optimizer, in which
+    the head's parameters are: the policy's have no gradient, so their state stays as it is.
+    One process only (a shared critic is)."""
+    optimizer.zero_grad(set_to_none=True)
+    sums = Sums()
+    for group in ctx.plan(batch, indices):
+        micro = batch.micro(group).to(ctx.device)
+        with torch.no_grad():
+            _, hidden = policy_logprobs(models.policy, *micro.model_inputs(),
+                                        temperature=ctx.temperature, return_hidden=True,
+                                        token_mask=micro.action_mask)
+        v, _ = models.value_head(hidden, micro.packed.cu_seqlens)
+        loss, metrics = value_loss(v, micro.values, micro.returns, micro.action_mask,
+                                   clip=ctx.config.value_clip, token_weights=micro.weights)
+        loss.backward()
+        sums.plain["value_loss"] += loss.item()
+        sums.add_tokens(micro.num_action_tokens, {"value_clipfrac": metrics["vf_clipfrac"]})
+    norm = _clip_and_step(optimizer, list(models.value_head.parameters()),
+                          ctx.config.max_grad_norm)
+    return {**sums.averages(), "critic_grad_norm": norm}
 
 
 def critic_update(critic, optimizer, ctx: StepContext, batch: StepBatch,
