@@ -202,12 +202,13 @@ def test_config_files_and_overrides():
 
 
 def test_critic_warmup_and_periodic_eval_rows_and_resume(tmp_path):
-    """A run with critic_warmup_steps=1 and eval.every=1: a critic_warmup row (its own step
-    numbering) before the RL steps, an eval row on eval.every_tasks tasks after every RL step
-    but the last, the periodic evaluations' share of the run in the summary; resumed, the
-    warm-up is not redone."""
+    """A PPO run with one rollout per task (that it learns: test_train), critic_warmup_steps=1
+    and eval.every=1: a critic_warmup row (its own step numbering) before the RL steps, an eval
+    row on eval.every_tasks tasks after every RL step but the last, the periodic evaluations'
+    share of the run in the summary; resumed, the warm-up is not redone."""
     from agentrl_fast.train.run import train_run
     overrides = [item for item in TINY if item != "--set"] + [
+        "train.rollout.samples_per_task=1", "train.tasks_per_step=4",
         "train.critic_warmup_steps=1", "eval.every=1", "eval.every_tasks=2", "train.steps=2",
         "warmstart.steps=2", "warmstart.target_success=null", f"run_dir={tmp_path / 'run'}"]
     config = apply_overrides(RunConfig(), overrides)
