@@ -72,6 +72,9 @@ GROUPS = [
     Group("main_job/ppo-async1-seed0.jsonl", "main_job.md",
           "seed 0 with `train.max_staleness=1`: metrics of the asynchronous comparison",
           "`agentrl-fast train --set train.max_staleness=1 --run-dir runs/async-seed0`"),
+    Group("critic_study.png", "critic_study.md",
+          "the figure: held-out success against RL step per cell and task, mean and min-max "
+          "over seeds", "`python bench/critic_study.py` (redrawn after each run)"),
     Group("main_job/tuning.jsonl", "main_job.md",
           ("issue 34's tuning runs, one summary row each (settings, SFT steps, validation "
            "checks, warm-start and final success, wall time, commit, command); the raw logs are "
@@ -244,6 +247,16 @@ def tuning_headline(rows: list[dict]) -> str:
                    if best else "")
 
 
+def study_headline(rows: list[dict]) -> str:
+    """Rows of ``critic_study.py``: runs (smoke runs among them), tasks, cells, seeds, commits."""
+    smoke = sum(1 for r in rows if r["setting"].get("quick"))
+    tasks = ", ".join(sorted({r["task"] for r in rows}))
+    commits = ", ".join(sorted({r["commit"] for r in rows}))
+    return (f"{len(rows)} runs ({smoke} of them --quick smoke runs) on tasks {tasks}, "
+            f"{len({r['cell'] for r in rows})} cells, seeds {span(r['seed'] for r in rows)}; "
+            f"commits {commits}")
+
+
 def rows_headline(path: Path) -> str:
     """A line computed from a ``.jsonl`` file's rows, or "" for rows of no known shape."""
     rows = read_rows(path)
@@ -253,6 +266,8 @@ def rows_headline(path: Path) -> str:
         return bench_headline(rows)
     if {"algo", "seed", "final_success"} <= rows[0].keys():
         return runs_headline(rows)
+    if {"task", "cell", "seed", "setting"} <= rows[0].keys():
+        return study_headline(rows)
     if {"run", "kind", "seed"} <= rows[0].keys():
         return tuning_headline(rows)
     return ""
