@@ -22,6 +22,14 @@ class Backend:
     out, lse, cu_seqlens, max_seqlen, causal, scale, deterministic, dq, dk, dv)`` fills the
     gradients. Kind ``"autograd"``: ``run(q, k, v, cu_seqlens, max_seqlen, causal, scale,
     deterministic, need_lse) -> (out, lse or None)``, differentiable by itself.
+
+    Prefix-shared mode (``prefix_of``; optional, kind ``"op"`` only, causal implied):
+    ``prefix_forward(q, k, v, cu_seqlens, prefix_of, max_seqlen, scale, deterministic, out,
+    lse)`` fills ``out`` and ``lse`` (over the prefix's keys and the own causal keys);
+    ``prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen, scale,
+    deterministic, dq, dk, dv)`` fills the gradients, a prefix's dk/dv summed over its own
+    queries and all its suffixes' queries. A backend without them runs the generic LSE-merge
+    path over its plain forward/backward (``_varlen_attention_prefix``).
     """
 
     name: str
@@ -33,6 +41,9 @@ class Backend:
     # unsupported(q, k) -> str | None: why these inputs (dtype, head_dim, ...) are out of the
     # backend's reach; "auto" skips such backends, an explicit choice raises with the reason.
     unsupported: Callable[[torch.Tensor, torch.Tensor], str | None] = lambda q, k: None
+    # Native prefix-shared mode (see above); None: the generic LSE-merge path.
+    prefix_forward: Callable | None = None
+    prefix_backward: Callable | None = None
 
 
 BACKENDS: dict[str, Backend] = {}
