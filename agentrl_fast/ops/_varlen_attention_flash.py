@@ -1,7 +1,14 @@
 """The backends of ``varlen_attention`` that call other libraries' flash kernels (CUDA), both
 of kind ``"autograd"`` (registered ops of their own libraries, so ``torch.compile`` traces
 them): ``TORCH`` (``torch.nn.attention.varlen``) and ``FLASH_ATTN`` (flash-attn's
-``flash_attn_varlen_func``, when installed)."""
+``flash_attn_varlen_func``, when installed).
+
+Their prefix-shared mode (``prefix_of``) is the generic LSE-merge path
+(``_varlen_attention_prefix``) over their raw varlen kernels, called with separate query and key
+bounds (``cu_seqlens_q != cu_seqlens_k``) for the cross pass, inside our registered prefix ops:
+the backward calls each raw backward with the merged out and LSE and sums the prefix's
+gradients.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,8 @@ import inspect
 import torch
 
 from agentrl_fast.ops._attention_backends import Backend
+from agentrl_fast.ops._varlen_attention_prefix import (generic_prefix_backward,
+                                                       generic_prefix_forward, varlen_passes)
 
 
 def _flash_kernel_unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -77,8 +86,42 @@ def _torch_run(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic, ne
     return out, None
 
 
+def _torch_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic):
+    """torch's flash kernel with separate query and key bounds (``aten::_flash_attention_forward``,
+    what ``varlen_attn`` runs; called directly so the LSE format is always flash's, never
+    cuDNN's): ``(out[Tq, Hq, D], lse[Hq, Tq] float32)``. GQA is native to the kernel."""
+    kwargs = {"scale": scale}
+    if deterministic and "num_splits" in _aten_parameters("_flash_attention_forward"):
+        kwargs["num_splits"] = 1
+    result = torch.ops.aten._flash_attention_forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal,
+        False, **kwargs)
+    return result[0], result[1]
+
+
+def _torch_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
+                           deterministic):
+    """``aten::_flash_attention_backward`` with separate bounds: ``(dq, dk, dv)``. Its kernel
+    is deterministic under ``torch.use_deterministic_algorithms(True)``."""
+    # No dropout: the RNG state is not read (torch's varlen_attn passes zeros as well).
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+        lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)
+    return dq, dk, dv
+
+
+@functools.cache
+def _aten_parameters(name: str) -> frozenset[str]:
+    return frozenset(a.name for a in getattr(torch.ops.aten, name).default._schema.arguments)
+
+
+_TORCH_PASSES = varlen_passes(_torch_varlen_forward, _torch_varlen_backward)
 TORCH = Backend("torch", "autograd", _torch_unavailable, run=_torch_run,
-                unsupported=_flash_kernel_unsupported)
+                unsupported=_flash_kernel_unsupported,
+                prefix_forward=functools.partial(generic_prefix_forward, _TORCH_PASSES),
+                prefix_backward=functools.partial(generic_prefix_backward, _TORCH_PASSES))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,5 +147,44 @@ def _flash_attn_run(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministi
     return result, None
 
 
+def _flash_attn_raw():
+    """flash-attn's raw varlen forward and backward (its torch ops, flash-attn >= 2.6)."""
+    from flash_attn import flash_attn_interface as interface
+
+    forward = getattr(interface, "_wrapped_flash_attn_varlen_forward", None)
+    backward = getattr(interface, "_wrapped_flash_attn_varlen_backward", None)
+    if forward is None or backward is None:
+        raise ValueError("the flash_attn backend's prefix mode (prefix_of) needs flash-attn >= "
+                         "2.6 (its _wrapped_flash_attn_varlen_forward/_backward)")
+    return forward, backward
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic):
+    """``_flash_attn_varlen_forward`` (what ``flash_attn_varlen_func`` runs) with separate
+    query and key bounds: ``(out[Tq, Hq, D], lse[Hq, Tq] float32)``; GQA native."""
+    forward, _ = _flash_attn_raw()
+    result = forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k,
+                     0.0, scale, causal, window_size_left=-1, window_size_right=-1,
+                     softcap=0.0, alibi_slopes=None, return_softmax=False)
+    return result[0], result[1]
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
+                                scale, deterministic):
+    """``_flash_attn_varlen_backward`` with separate bounds: ``(dq, dk, dv)`` (it fills the
+    buffers it is given; deterministic when asked)."""
+    _, backward = _flash_attn_raw()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    backward(dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), dq, dk, dv, cu_q,
+             cu_k, max_q, max_k, 0.0, scale, causal, -1, -1, 0.0, None, deterministic,
+             rng_state=None)
+    return dq, dk, dv
+
+
+_FLASH_ATTN_PASSES = varlen_passes(_flash_attn_varlen_forward, _flash_attn_varlen_backward)
 FLASH_ATTN = Backend("flash_attn", "autograd", _flash_attn_unavailable, run=_flash_attn_run,
-                     unsupported=_flash_kernel_unsupported)
+                     unsupported=_flash_kernel_unsupported,
+                     prefix_forward=functools.partial(generic_prefix_forward, _FLASH_ATTN_PASSES),
+                     prefix_backward=functools.partial(generic_prefix_backward,
+                                                       _FLASH_ATTN_PASSES))

@@ -20,6 +20,12 @@ functions that write into preallocated outputs and run inside our registered ops
 kind ``"autograd"`` (torch, flash_attn) are differentiable functions called directly (they are
 registered ops of their own libraries, so ``torch.compile`` traces them too).
 
+Prefix-shared (tree) mode (``prefix_of``): a suffix segment attends to all of its prefix
+segment's tokens and causally to its own; it runs in the registered ops
+``agentrl_fast::varlen_attention_prefix_forward`` / ``_backward`` for every backend, through the
+backend's ``prefix_forward``/``prefix_backward`` when it has them, else through the generic
+LSE-merge path (``_varlen_attention_prefix``).
+
 This module holds the dispatch (``resolve_backend``), the registered ops and the public
 function, and registers the built-in backends; the registry (``Backend``, ``BACKENDS``,
 ``register_backend``) is ``_attention_backends``, the backends are ``_varlen_attention_cpu``
@@ -36,11 +42,13 @@ import torch
 
 from agentrl_fast.ops._attention_backends import (BACKENDS, MAX_HEAD_DIM, Backend,
                                                   register_backend)
-from agentrl_fast.ops._checks import (check_cu_seqlens_metadata, require_real, require_tensor,
-                                      validate_cu_seqlens)
+from agentrl_fast.ops._checks import (check_cu_seqlens_metadata, check_prefix_of_metadata,
+                                      require_real, require_tensor, validate_cu_seqlens,
+                                      validate_prefix_of)
 from agentrl_fast.ops._varlen_attention_cpu import CPU_FLASH, CPU_FLASH_PADDING, NATIVE, REFERENCE
 from agentrl_fast.ops._varlen_attention_cpu import NATIVE_VECTORISED as _NATIVE_VECTORISED
 from agentrl_fast.ops._varlen_attention_flash import FLASH_ATTN, TORCH
+from agentrl_fast.ops._varlen_attention_prefix import prefix_kernels
 
 __all__ = ["AUTO_ORDER", "BACKENDS", "CPU_FLASH_PADDING", "MAX_HEAD_DIM", "SUPPORTED_DTYPES",
            "Backend", "available_backends", "register_backend", "resolve_backend",
@@ -171,6 +179,72 @@ _attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------
+# The registered ops of the prefix-shared mode (every backend; causal implied).
+
+@torch.library.custom_op("agentrl_fast::varlen_attention_prefix_forward", mutates_args=())
+def _prefix_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cu_seqlens: torch.Tensor, prefix_of: torch.Tensor, max_seqlen: int,
+                              softmax_scale: float, deterministic: bool,
+                              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    forward, _ = prefix_kernels(BACKENDS[backend])
+    forward(q, k, v, cu_seqlens, prefix_of, max_seqlen, softmax_scale, deterministic, out, lse)
+    return out, lse
+
+
+@_prefix_attention_forward.register_fake
+def _prefix_attention_forward_fake(q, k, v, cu_seqlens, prefix_of, max_seqlen, softmax_scale,
+                                   deterministic, backend):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("agentrl_fast::varlen_attention_prefix_backward", mutates_args=())
+def _prefix_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                               v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                               cu_seqlens: torch.Tensor, prefix_of: torch.Tensor,
+                               max_seqlen: int, softmax_scale: float, deterministic: bool,
+                               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    _, backward = prefix_kernels(BACKENDS[backend])
+    backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen, softmax_scale,
+             deterministic, dq, dk, dv)
+    return dq, dk, dv
+
+
+@_prefix_attention_backward.register_fake
+def _prefix_attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
+                                    softmax_scale, deterministic, backend):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _prefix_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, prefix_of, max_seqlen, softmax_scale, deterministic, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, prefix_of)
+    ctx.params = (max_seqlen, softmax_scale, deterministic, backend)
+    ctx.mark_non_differentiable(lse)
+
+
+def _prefix_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens, prefix_of = ctx.saved_tensors
+    max_seqlen, softmax_scale, deterministic, backend = ctx.params
+    dq, dk, dv = _prefix_attention_backward(dout.contiguous(), q, k, v, out, lse, cu_seqlens,
+                                            prefix_of, max_seqlen, softmax_scale, deterministic,
+                                            backend)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_prefix_attention_forward.register_autograd(_prefix_backward,
+                                            setup_context=_prefix_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
 # The public function.
 
 def _check_arguments(q, k, v, cu_seqlens, max_seqlen) -> None:
@@ -213,6 +287,7 @@ def varlen_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     *,
+    prefix_of: torch.Tensor | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
     return_lse: bool = False,
@@ -226,18 +301,33 @@ def varlen_attention(
         q: ``[T, Hq, D]``; k, v: ``[T, Hk, D]`` with ``Hq % Hk == 0`` (GQA/MQA); one dtype of
             float16, bfloat16, float32; ``D <= 256``.
         cu_seqlens: ``[B+1]`` int32, ``0 = cu[0] <= ... <= cu[B] = T`` (empty sequences allowed).
-        max_seqlen: a Python int, at least the longest sequence.
+        max_seqlen: a Python int, at least the longest sequence (segment).
+        prefix_of: None, or ``[B]`` int32 on q's device (prefix-shared mode, causal only):
+            ``-1`` for a segment that stands alone, ``p`` for a suffix of segment ``p``
+            (``p < b``, ``prefix_of[p] == -1``): its tokens attend to all of p's tokens, then
+            causally to their own, as if p's tokens were laid right before them. Several
+            suffixes may share a prefix; out, LSE and gradients equal the plain op on the
+            packing where each suffix has its own copy of its prefix (a prefix's dk, dv summed
+            over the copies).
         causal: each token attends to itself and earlier tokens of its sequence.
         softmax_scale: default ``D ** -0.5``.
         return_lse: also return the log-sum-exp ``[Hq, T]`` (float32, not differentiable).
         deterministic: ask the backend for a deterministic backward.
         backend: ``"auto"`` (the fastest available on the device) or a name of ``BACKENDS``.
-        validate: check ``cu_seqlens`` values and ``max_seqlen`` (one host sync on the GPU).
+        validate: check ``cu_seqlens`` values and ``max_seqlen`` (one host sync on the GPU),
+            and ``prefix_of``'s values (one more). Unvalidated garbage never crashes (an entry
+            that is not a valid prefix reads as -1 on the generic path); results are then
+            unspecified.
 
     Returns:
         ``out[T, Hq, D]`` in the input dtype (and the LSE when asked); differentiable in q, k, v.
     """
     _check_arguments(q, k, v, cu_seqlens, max_seqlen)
+    if prefix_of is not None:
+        if not causal:
+            raise ValueError("prefix_of needs causal=True (a suffix attends causally to its own "
+                             "tokens), got causal=False with prefix_of")
+        check_prefix_of_metadata(prefix_of, cu_seqlens.numel() - 1, q.device)
     scale = (q.shape[2] ** -0.5 if softmax_scale is None
              else require_real("softmax_scale", softmax_scale))
     if not math.isfinite(scale):
@@ -246,11 +336,19 @@ def varlen_attention(
     chosen = BACKENDS[name]
     if validate:
         cu_seqlens = validate_cu_seqlens(cu_seqlens, q.shape[0], max_seqlen)
+        if prefix_of is not None:
+            prefix_of = validate_prefix_of(prefix_of)
     elif chosen.kind == "autograd":
         # Other libraries' kernels do not clamp cu_seqlens: make unvalidated input in range and
         # non-decreasing on the device (no sync), so it can give wrong numbers but never a crash.
         cu_seqlens = torch.cummax(cu_seqlens.clamp(0, q.shape[0]), dim=0).values.to(torch.int32)
-    if chosen.kind == "op":
+    if prefix_of is not None:
+        if chosen.kind == "autograd" and chosen.prefix_forward is None:
+            raise ValueError(f"backend {name!r} has no prefix-shared mode (prefix_of); use "
+                             "another backend")
+        out, lse = _prefix_attention_forward(q, k, v, cu_seqlens, prefix_of, max_seqlen, scale,
+                                             bool(deterministic), name)
+    elif chosen.kind == "op":
         out, lse = _attention_forward(q, k, v, cu_seqlens, max_seqlen, bool(causal), scale,
                                       bool(deterministic), name)
     else:
