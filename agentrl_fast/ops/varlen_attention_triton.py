@@ -51,9 +51,10 @@ from agentrl_fast.ops._tensor_memo import TensorMemo
 try:
     import triton
     from agentrl_fast.kernels import varlen_attention as kernels
+    from agentrl_fast.kernels import varlen_attention_prefix as prefix_kernels
     _IMPORT_ERROR = None
 except Exception as error:  # noqa: BLE001 - a broken triton must not break the package
-    triton = kernels = None
+    triton = kernels = prefix_kernels = None
     _IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
 # triton reads TRITON_INTERPRET when a kernel is defined, i.e. when agentrl_fast/kernels/ was imported.
@@ -97,8 +98,17 @@ def tile_slots(num_tokens: int, num_sequences: int, block: int) -> int:
     return min(num_tokens // block + num_sequences, num_tokens)
 
 
+def sequence_bounds(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``bounds[B+3]`` int64: ``cu_seqlens`` clamped to ``[0, T]``, made non-decreasing and
+    framed by ``0`` and ``T`` (the gaps around it are sequences of their own)."""
+    inner = torch.cummax(cu_seqlens.to(torch.int64).clamp(0, num_tokens), dim=0).values
+    edge = inner.new_zeros(1)
+    return torch.cat([edge, inner, edge + num_tokens])
+
+
 def tile_table(cu_seqlens: torch.Tensor, num_tokens: int, block: int, causal: bool,
-               by_length: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+               by_length: bool = False, extra_work: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The real (sequence, block) tiles of ``block`` tokens, longest work first, built on the
     device without a host sync.
 
@@ -106,12 +116,12 @@ def tile_table(cu_seqlens: torch.Tensor, num_tokens: int, block: int, causal: bo
     is the sanitized ``cu_seqlens`` framed by ``0`` and ``T`` (sequence ``i`` spans
     ``bounds[i]:bounds[i+1]``; the first and last are the gaps around ``cu_seqlens``), ``S`` is
     the host bound ``tile_slots``; slots past the real tiles hold sequence ``-1``. Work per tile:
-    ``L`` when ``by_length`` or not ``causal``, else ``min((block + 1) * BLOCK, L)``.
+    ``L`` when ``by_length`` or not ``causal``, else ``min((block + 1) * BLOCK, L)``, plus
+    ``extra_work[i]`` ([B+2], per sequence of ``bounds``: the prefix mode's other keys or
+    queries) when given.
     """
     device = cu_seqlens.device
-    inner = torch.cummax(cu_seqlens.to(torch.int64).clamp(0, num_tokens), dim=0).values
-    edge = inner.new_zeros(1)
-    bounds = torch.cat([edge, inner, edge + num_tokens])
+    bounds = sequence_bounds(cu_seqlens, num_tokens)
     lengths = bounds[1:] - bounds[:-1]                                     # [B + 2]
     num_blocks = (lengths + block - 1) // block
     ends = torch.cumsum(num_blocks, 0)
@@ -124,6 +134,8 @@ def tile_table(cu_seqlens: torch.Tensor, num_tokens: int, block: int, causal: bo
         work = torch.minimum((block_index + 1) * block, length)
     else:
         work = length
+    if extra_work is not None:
+        work = work + extra_work[sequence]
     valid = slot < ends[-1]
     work = torch.where(valid, work, -1)
     order = torch.argsort(work, descending=True, stable=True)
@@ -261,5 +273,194 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, de
             grad.copy_(target)
 
 
+# ---------------------------------------------------------------------------------------------
+# Prefix-shared mode (``prefix_of``): agentrl_fast/kernels/varlen_attention_prefix.py.
+
+def prefix_sequences(cu_seqlens: torch.Tensor, prefix_of: torch.Tensor) -> torch.Tensor:
+    """``prefix[B+2]`` int64, indexed like ``sequence_bounds``: sequence ``b + 1``'s prefix
+    sequence ``prefix_of[b] + 1``, or -1 (no prefix, and the gaps). An entry out of range
+    (``prefix_of[b] < 0``, ``>= b``, or naming a segment that has a prefix itself) reads as -1,
+    so unvalidated garbage never sends a kernel out of bounds."""
+    num_segments = cu_seqlens.numel() - 1
+    parent = prefix_of.reshape(-1)[:num_segments].to(torch.int64)
+    if parent.numel() < num_segments:  # (the op layer checks the shape; stay in range anyway)
+        parent = torch.cat([parent, parent.new_full((num_segments - parent.numel(),), -1)])
+    segment = torch.arange(num_segments, device=parent.device)
+    root = parent[parent.clamp(0, max(num_segments - 1, 0))] == -1
+    valid = (parent >= 0) & (parent < segment) & root
+    edge = parent.new_full((1,), -1)
+    return torch.cat([edge, torch.where(valid, parent + 1, -1), edge])
+
+
+def prefix_tile_table(cu_seqlens: torch.Tensor, prefix_of: torch.Tensor, num_tokens: int,
+                      block: int):
+    """The forward's (and the deterministic dq's) tiles: ``(bounds[B+3], prefix[B+2] int32,
+    tile_sequence, tile_block, slots)``, a tile's work being its causal keys plus its prefix's
+    length."""
+    bounds = sequence_bounds(cu_seqlens, num_tokens)
+    prefix = prefix_sequences(cu_seqlens, prefix_of)
+    lengths = bounds[1:] - bounds[:-1]
+    prefix_length = torch.where(prefix >= 0, lengths[prefix.clamp(min=0)], 0)
+    _, tile_sequence, tile_block, slots = tile_table(cu_seqlens, num_tokens, block, True,
+                                                     extra_work=prefix_length)
+    return bounds.to(torch.int32), prefix.to(torch.int32), tile_sequence, tile_block, slots
+
+
+def suffix_query_blocks(bounds: torch.Tensor, prefix: torch.Tensor, num_tokens: int, step: int):
+    """The CSR of each prefix's suffix query blocks (``step`` rows), built on the device:
+    ``(query_ptr[B+3], query_row[E], query_count[E], suffix_tokens[B+2] int64)``: the blocks of
+    prefix sequence ``i`` are ``query_ptr[i]:query_ptr[i+1]`` (suffixes in segment order), each
+    its first token and its number of rows; ``E = tile_slots`` (the entries past the real ones
+    are never read); ``suffix_tokens[i]``: the queries of all of ``i``'s suffixes."""
+    lengths = bounds[1:] - bounds[:-1]
+    count = lengths.numel()
+    is_suffix = prefix >= 0
+    blocks = torch.where(is_suffix, (lengths + step - 1) // step, 0)
+    index = torch.arange(count, device=bounds.device)
+    order = torch.argsort(torch.where(is_suffix, prefix * count + index, count * count))
+    ends = torch.cumsum(blocks[order], 0)
+    slots = max(tile_slots(num_tokens, count, step), 1)
+    slot = torch.arange(slots, device=bounds.device)
+    position = torch.searchsorted(ends, slot, right=True).clamp_(max=count - 1)
+    sequence = order[position]
+    first = (slot - (ends[position] - blocks[sequence])) * step
+    valid = slot < ends[-1]
+    query_row = torch.where(valid, bounds[sequence] + first, 0).to(torch.int32)
+    query_count = torch.where(valid, (lengths[sequence] - first).clamp(0, step), 0)
+    owner = prefix.clamp(min=0)
+    per_prefix = torch.zeros_like(lengths).index_add_(0, owner, blocks)
+    query_ptr = torch.cat([per_prefix.new_zeros(1), torch.cumsum(per_prefix, 0)])
+    suffix_tokens = torch.zeros_like(lengths).index_add_(0, owner,
+                                                          torch.where(is_suffix, lengths, 0))
+    return (query_ptr.to(torch.int32), query_row, query_count.to(torch.int32), suffix_tokens)
+
+
+def prefix_dkdv_table(cu_seqlens: torch.Tensor, prefix_of: torch.Tensor, num_tokens: int,
+                      block: int, step: int):
+    """The dk/dv kernel's tiles, ordered by the queries that see them (own and suffixes'):
+    ``(bounds[B+3], tile_sequence, tile_block, slots, query_ptr, query_row, query_count)``."""
+    bounds = sequence_bounds(cu_seqlens, num_tokens)
+    prefix = prefix_sequences(cu_seqlens, prefix_of)
+    query_ptr, query_row, query_count, suffix_tokens = suffix_query_blocks(bounds, prefix,
+                                                                           num_tokens, step)
+    _, tile_sequence, tile_block, slots = tile_table(cu_seqlens, num_tokens, block, True,
+                                                     by_length=True, extra_work=suffix_tokens)
+    return (bounds.to(torch.int32), tile_sequence, tile_block, slots, query_ptr, query_row,
+            query_count)
+
+
+# prefix_of -> (cu_seqlens -> tables): built once per pair of tensors, like _TABLES.
+_PREFIX_TABLES = TensorMemo()
+
+
+def cached_prefix_table(cu_seqlens: torch.Tensor, prefix_of: torch.Tensor, num_tokens: int,
+                        block: int, step: int | None = None):
+    """``prefix_tile_table`` (``step`` None) or ``prefix_dkdv_table``, computed once per
+    (``cu_seqlens``, ``prefix_of``) tensors and arguments."""
+    by_cu_seqlens = _PREFIX_TABLES.get(prefix_of, "by_cu_seqlens")
+    if by_cu_seqlens is None:
+        by_cu_seqlens = TensorMemo()
+        _PREFIX_TABLES.put(prefix_of, "by_cu_seqlens", by_cu_seqlens)
+    fact = (num_tokens, block, step)
+    table = by_cu_seqlens.get(cu_seqlens, fact)
+    if table is None:
+        table = (prefix_tile_table(cu_seqlens, prefix_of, num_tokens, block) if step is None
+                 else prefix_dkdv_table(cu_seqlens, prefix_of, num_tokens, block, step))
+        by_cu_seqlens.put(cu_seqlens, fact, table)
+    return table
+
+
+def _prefix_forward(q, k, v, cu_seqlens, prefix_of, max_seqlen, scale, deterministic, out, lse):
+    """Fill ``out[T, Hq, D]`` and ``lse[Hq, T]`` (float32): a suffix's queries over its
+    prefix's keys, then causally over their own."""
+    num_tokens, num_heads_q, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    q, k, v = (_rows_contiguous(x) for x in (q, k, v))
+    target = (out if out.stride(-1) == 1
+              else torch.empty_like(out, memory_format=torch.contiguous_format))
+    if lse.stride(-1) != 1:
+        raise ValueError("lse must have a unit stride along its token dimension")
+    dtype = _DTYPE_NAMES[q.dtype]
+    padded = kernels.padded_head_dim(head_dim)
+    config = kernels.forward_config(dtype, head_dim)
+    bounds, prefix, tile_sequence, tile_block, slots = cached_prefix_table(
+        cu_seqlens, prefix_of, num_tokens, config["BLOCK_M"])
+    with _device_guard(q):
+        prefix_kernels.varlen_attention_prefix_forward_kernel[(slots * num_heads_q,)](
+            q, k, v, target, lse, bounds, prefix, tile_sequence, tile_block,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            target.stride(0), target.stride(1), lse.stride(0),
+            num_heads_q, num_heads_q // k.shape[1], head_dim, float(scale),
+            HEAD_DIM=padded, EVEN_D=padded == head_dim, BLOCK_M=config["BLOCK_M"],
+            BLOCK_N=config["BLOCK_N"], IEEE=dtype == "fp32",
+            num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if target is not out:
+        out.copy_(target)
+
+
+def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen, scale,
+                     deterministic, dq, dk, dv):
+    """Fill ``dq``, ``dk``, ``dv`` as ``_backward`` does; a prefix key tile's dk/dv sums its
+    own queries' and all its suffixes' shares in a fixed order (no atomics on dk/dv)."""
+    num_tokens, num_heads_q, head_dim = q.shape
+    num_heads_k = k.shape[1]
+    if num_tokens == 0:
+        return
+    dout, q, k, v, out = (_rows_contiguous(x) for x in (dout, q, k, v, out))
+    lse = lse if lse.stride(-1) == 1 else lse.contiguous()
+    targets = [g if g.stride(-1) == 1
+               else torch.empty_like(g, memory_format=torch.contiguous_format)
+               for g in (dq, dk, dv)]
+    dtype = _DTYPE_NAMES[q.dtype]
+    padded = kernels.padded_head_dim(head_dim)
+    groups = num_heads_q // num_heads_k
+    config = kernels.backward_config(dtype, head_dim)
+    delta = torch.empty(num_heads_q, num_tokens, dtype=torch.float32, device=q.device)
+    if lse.stride(0) != delta.stride(0):
+        lse = lse.contiguous()
+    dq_t, dk_t, dv_t = targets
+    dq_acc = (None if deterministic else
+              torch.zeros(num_tokens, num_heads_q, head_dim, dtype=torch.float32, device=q.device))
+    dq_arg, dq_strides = ((delta, (0, 0)) if dq_acc is None
+                          else (dq_acc, (dq_acc.stride(0), dq_acc.stride(1))))
+    bounds, tile_sequence, tile_block, slots, query_ptr, query_row, query_count = (
+        cached_prefix_table(cu_seqlens, prefix_of, num_tokens, config["BLOCK"], config["STEP"]))
+    common = dict(HEAD_DIM=padded, EVEN_D=padded == head_dim, IEEE=dtype == "fp32")
+    with _device_guard(q):
+        block_t = kernels.PREPROCESS_BLOCK_T
+        kernels.varlen_attention_backward_preprocess_kernel[
+            (triton.cdiv(num_tokens, block_t), num_heads_q)](
+            out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+            delta.stride(0), num_tokens, head_dim, BLOCK_T=block_t,
+            BLOCK_D=kernels.PREPROCESS_BLOCK_D, num_warps=4, num_stages=1)
+        prefix_kernels.varlen_attention_prefix_backward_dkdv_kernel[(slots * num_heads_k,)](
+            q, k, v, dout, lse, delta, dq_arg, dk_t, dv_t, bounds, tile_sequence, tile_block,
+            query_ptr, query_row, query_count,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            dout.stride(0), dout.stride(1), *dq_strides, dk_t.stride(0),
+            dk_t.stride(1), dv_t.stride(0), dv_t.stride(1), delta.stride(0),
+            num_heads_k, groups, head_dim, float(scale),
+            BLOCK=config["BLOCK"], STEP=config["STEP"], ATOMIC_DQ=dq_acc is not None,
+            num_warps=config["num_warps"], num_stages=config["num_stages"], **common)
+        if dq_acc is not None:
+            dq_t.copy_(dq_acc.mul_(scale))
+        else:
+            dq_config = kernels.backward_dq_config(dtype, head_dim)
+            bounds, prefix, tile_sequence, tile_block, slots = cached_prefix_table(
+                cu_seqlens, prefix_of, num_tokens, dq_config["BLOCK_M"])
+            prefix_kernels.varlen_attention_prefix_backward_dq_kernel[(slots * num_heads_q,)](
+                q, k, v, dout, lse, delta, dq_t, bounds, prefix, tile_sequence, tile_block,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                dout.stride(0), dout.stride(1), dq_t.stride(0), dq_t.stride(1), delta.stride(0),
+                num_heads_q, groups, head_dim, float(scale),
+                BLOCK_M=dq_config["BLOCK_M"], BLOCK_N=dq_config["BLOCK_N"],
+                num_warps=dq_config["num_warps"], num_stages=dq_config["num_stages"], **common)
+    for target, grad in zip(targets, (dq, dk, dv)):
+        if target is not grad:
+            grad.copy_(target)
+
+
 BACKEND = Backend("triton", "op", _unavailable, forward=_forward, backward=_backward,
-                  unsupported=_unsupported)
+                  unsupported=_unsupported, prefix_forward=_prefix_forward,
+                  prefix_backward=_prefix_backward)
