@@ -39,6 +39,13 @@ TORCH_LIBRARY(agentrl_fast, m) {
       "varlen_attention_cpu_backward_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor cu_seqlens, bool causal, float scale, Tensor(a!) dq, Tensor(b!) dk, "
       "Tensor(c!) dv) -> ()");
+  m.def(
+      "varlen_attention_cpu_prefix_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, "
+      "Tensor prefix_of, float scale, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.def(
+      "varlen_attention_cpu_prefix_backward_out(Tensor dout, Tensor q, Tensor k, Tensor v, "
+      "Tensor out, Tensor lse, Tensor cu_seqlens, Tensor prefix_of, float scale, Tensor(a!) dq, "
+      "Tensor(b!) dk, Tensor(c!) dv) -> ()");
 }
 
 namespace {
@@ -65,6 +72,22 @@ void varlen_attention_cpu_backward_out_op(const at::Tensor& dout, const at::Tens
   agentrl_fast::varlen_attention_cpu_backward_out(dout, q, k, v, out, lse, cu_seqlens, causal,
                                                   scale, dq, dk, dv);
 }
+
+void varlen_attention_cpu_prefix_out_op(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                        const at::Tensor& prefix_of, double scale, at::Tensor out,
+                                        at::Tensor lse) {
+  agentrl_fast::varlen_attention_cpu_prefix_out(q, k, v, cu_seqlens, prefix_of, scale, out, lse);
+}
+
+void varlen_attention_cpu_prefix_backward_out_op(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens,
+    const at::Tensor& prefix_of, double scale, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
+  agentrl_fast::varlen_attention_cpu_prefix_backward_out(dout, q, k, v, out, lse, cu_seqlens,
+                                                         prefix_of, scale, dq, dk, dv);
+}
+
 void rms_norm_cpu_out_op(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor y,
                          at::Tensor rstd) {
   agentrl_fast::rms_norm_cpu_out(x, weight, eps, y, rstd);
@@ -96,6 +119,8 @@ TORCH_LIBRARY_IMPL(agentrl_fast, CPU, m) {
   m.impl("_gae_lookback_emulation", &agentrl_fast::gae_lookback_emulation);
   m.impl("varlen_attention_cpu_out", &varlen_attention_cpu_out_op);
   m.impl("varlen_attention_cpu_backward_out", &varlen_attention_cpu_backward_out_op);
+  m.impl("varlen_attention_cpu_prefix_out", &varlen_attention_cpu_prefix_out_op);
+  m.impl("varlen_attention_cpu_prefix_backward_out", &varlen_attention_cpu_prefix_backward_out_op);
 }
 
 #ifdef AGENTRL_FAST_WITH_CUDA

@@ -8,6 +8,13 @@
 // horizontal sums), the softmax with a vectorised exp, then the weighted sum of V rows in
 // registers. Tasks are dealt to threads by cost (longest first, to the least loaded).
 //
+// Prefix-shared (tree) mode: a suffix segment's queries attend to all keys of its prefix segment
+// and causally to their own: its task's key buffers hold the prefix's keys and then its own, and
+// query row i sees the first key_offset + i + 1 of them (key_offset = the prefix's length; 0 in
+// the plain op, whose kernels these are). The backward runs a prefix and all its suffixes as one
+// task per KV head (the prefix's queries, then each suffix's in order), so a prefix's dk and dv
+// sum over every query that sees them in a fixed order, still without atomics.
+//
 // The row loops are compiled twice on x86-64 (AVX2 + FMA, and the baseline) and picked once by
 // what the CPU supports; GCC vector extensions keep the code portable.
 #include "varlen_attention.h"
@@ -105,19 +112,21 @@ AGENTRL_FAST_INLINE void weighted_rows(const float* w, const float* rows, int64_
   }
 }
 
-// The buffers of one task: the sequence's L rows, its G = Hq / Hk query heads, head dim D
-// padded to Dp = NV * kWidth, keys padded to Lp (a multiple of kWidth).
+// The buffers of one task: L query rows, its G = Hq / Hk query heads, head dim D padded to
+// Dp = NV * kWidth, K keys (key_offset + L: a suffix's prefix, then its own rows) padded to Lp
+// (a multiple of kWidth). Causal: query row i sees keys j < key_offset + i + 1.
 struct TaskShape {
   int64_t groups, length, padded_length;
   int head_dim;
   bool causal;
   float scale;
+  int64_t key_offset = 0;
 };
 
 struct ForwardBuffers {
   const float* q;   // [G, L, Dp]
-  const float* kt;  // [D, Lp] (keys >= L zero)
-  const float* v;   // [L, Dp]
+  const float* kt;  // [D, Lp] (keys >= K zero)
+  const float* v;   // [K, Dp]
   float* out;       // [G, L, Dp]
   float* lse;       // [G, L]
   float* row;       // [Lp] scratch
@@ -130,7 +139,7 @@ AGENTRL_FAST_INLINE void forward_rows(const TaskShape& t, const ForwardBuffers& 
   for (int64_t g = 0; g < t.groups; ++g) {
     for (int64_t i = 0; i < t.length; ++i) {
       const float* qi = m.q + (g * t.length + i) * Dp;
-      const int64_t n = t.causal ? i + 1 : t.length;
+      const int64_t n = t.causal ? t.key_offset + i + 1 : t.length;
       const int64_t nb = (n + kWidth - 1) / kWidth;
       row_scores(qi, m.kt, t.padded_length, t.head_dim, nb, t.scale, m.row);
       vf top = splat(-inf);
@@ -163,10 +172,10 @@ struct BackwardBuffers {
   const float* lse;   // [G, L]
   const float* kt;    // [D, Lp]
   const float* vt;    // [D, Lp]
-  const float* k;     // [L, Dp]
+  const float* k;     // [K, Dp]
   float* dq;          // [G, L, Dp]
-  float* dk;          // [L, Dp], accumulated over the group (zeroed by the caller)
-  float* dv;          // [L, Dp], likewise
+  float* dk;          // [K, Dp], accumulated over the group (zeroed by the caller)
+  float* dv;          // [K, Dp], likewise
   float* p;           // [Lp] scratch
   float* ds;          // [Lp] scratch
 };
@@ -189,7 +198,7 @@ AGENTRL_FAST_INLINE void backward_rows(const TaskShape& t, const BackwardBuffers
       }
       const float delta = horizontal_sum(dot);  // sum_j p_j dp_j = dout . out
       const float row_lse = m.lse[row];
-      const int64_t n = t.causal ? i + 1 : t.length;
+      const int64_t n = t.causal ? t.key_offset + i + 1 : t.length;
       const int64_t nb = (n + kWidth - 1) / kWidth;
       row_scores(qi, m.kt, t.padded_length, t.head_dim, nb, t.scale, m.p);
       row_scores(doi, m.vt, t.padded_length, t.head_dim, nb, 1.f, m.ds);
@@ -281,51 +290,137 @@ const RowKernels& row_kernels(int nv) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tasks, threads, and the copies between the packed tensors and a task's buffers.
+// Segments, tasks, threads, and the copies between the packed tensors and a task's buffers.
 
-struct Task {
-  int64_t start, length, kv_head;
+struct Span {
+  int64_t start, length;
 };
 
-// (start, end) per non-empty sequence, clamped into [0, T] and non-decreasing (the reference
-// backend's rule), so unvalidated cu_seqlens never index out of range.
-std::vector<Task> tasks_of(const at::Tensor& cu_seqlens, int64_t num_tokens, int64_t kv_heads) {
+// (start, length) per segment, clamped into [0, T] and non-decreasing (the reference backend's
+// rule), so unvalidated cu_seqlens never index out of range; empty segments are kept, so that
+// prefix_of's indices address them.
+std::vector<Span> segments_of(const at::Tensor& cu_seqlens, int64_t num_tokens) {
   const at::Tensor cu = cu_seqlens.to(at::kLong).contiguous();
   const int64_t* c = cu.data_ptr<int64_t>();
-  std::vector<Task> tasks;
+  std::vector<Span> segments;
   int64_t previous_end = 0;
   for (int64_t b = 0; b + 1 < cu.numel(); ++b) {
     const int64_t start = std::min(std::max(c[b], previous_end), num_tokens);
     const int64_t end = std::min(std::max(c[b + 1], start), num_tokens);
     previous_end = end;
-    if (end > start) {
-      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({start, end - start, h});
-    }
+    segments.push_back({start, end - start});
+  }
+  return segments;
+}
+
+// Each segment's prefix segment as the kernels use it: prefix_of[b] when 0 <= prefix_of[b] < b
+// and that segment is no suffix itself, else -1 (unvalidated values never index out of range).
+std::vector<int64_t> prefixes_of(const at::Tensor& prefix_of, int64_t num_segments) {
+  const at::Tensor values = prefix_of.to(at::kLong).contiguous();
+  const int64_t* p = values.data_ptr<int64_t>();
+  std::vector<int64_t> prefix(num_segments, -1);
+  for (int64_t b = 0; b < std::min(num_segments, values.numel()); ++b) {
+    if (p[b] >= 0 && p[b] < b && prefix[p[b]] == -1) prefix[b] = p[b];
+  }
+  return prefix;
+}
+
+// A forward task: one segment's queries and a KV head. Its keys are its prefix's (empty unless
+// the segment is a suffix), then its own.
+struct Task {
+  Span own, prefix;
+  int64_t kv_head;
+};
+
+// A segment and its suffixes (in packed order; none for a plain segment): the backward runs them
+// as one task per KV head, so that one thread sums the prefix's dk and dv.
+struct Group {
+  Span prefix;
+  std::vector<Span> suffixes;
+};
+
+struct GroupTask {
+  const Group* group;
+  int64_t kv_head;
+};
+
+// Forward tasks of the non-empty segments; `prefix` empty: the plain op (no prefixes).
+std::vector<Task> tasks_of(const std::vector<Span>& segments, const std::vector<int64_t>& prefix,
+                           int64_t kv_heads) {
+  std::vector<Task> tasks;
+  for (size_t b = 0; b < segments.size(); ++b) {
+    const Span own = segments[b];
+    const bool suffix = !prefix.empty() && prefix[b] >= 0;
+    const Span before = suffix ? segments[prefix[b]] : Span{own.start, 0};
+    if (own.length == 0) continue;
+    for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({own, before, h});
   }
   return tasks;
 }
 
-// Tasks dealt to at most `bins` threads by cost L^2, longest first to the least loaded.
-std::vector<std::vector<Task>> deal(std::vector<Task> tasks, int64_t bins) {
+// Backward groups: each non-empty segment that is no suffix, with its non-empty suffixes (a
+// suffix of an empty prefix is a group of its own: it has no shared keys).
+std::vector<Group> groups_of(const std::vector<Span>& segments,
+                             const std::vector<int64_t>& prefix) {
+  std::vector<Group> groups;
+  std::vector<int64_t> group_of(segments.size(), -1);
+  for (size_t b = 0; b < segments.size(); ++b) {
+    const int64_t p = prefix.empty() ? -1 : prefix[b];
+    if (p >= 0 && segments[p].length > 0) {
+      if (segments[b].length > 0) groups[group_of[p]].suffixes.push_back(segments[b]);
+    } else if (segments[b].length > 0) {
+      group_of[b] = static_cast<int64_t>(groups.size());
+      groups.push_back({segments[b], {}});
+    }
+  }
+  return groups;
+}
+
+std::vector<GroupTask> group_tasks(const std::vector<Group>& groups, int64_t kv_heads) {
+  std::vector<GroupTask> tasks;
+  for (const Group& group : groups) {
+    for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({&group, h});
+  }
+  return tasks;
+}
+
+// A task's cost: its scores, counted as L^2 for a plain segment of L rows and S (2P + S) for a
+// suffix of S rows after P prefix keys.
+double cost_of(const Task& t) {
+  const double own = static_cast<double>(t.own.length);
+  return own * (2.0 * static_cast<double>(t.prefix.length) + own);
+}
+double cost_of(const GroupTask& t) {
+  const double before = static_cast<double>(t.group->prefix.length);
+  double cost = before * before;
+  for (const Span& s : t.group->suffixes) {
+    cost += static_cast<double>(s.length) * (2.0 * before + static_cast<double>(s.length));
+  }
+  return cost;
+}
+
+// Tasks dealt to at most `bins` threads by cost, the costliest first to the least loaded.
+template <typename T>
+std::vector<std::vector<T>> deal(std::vector<T> tasks, int64_t bins) {
   bins = std::max<int64_t>(1, std::min<int64_t>(bins, static_cast<int64_t>(tasks.size())));
   std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& a, const Task& b) { return a.length > b.length; });
-  std::vector<std::vector<Task>> dealt(bins);
+                   [](const T& a, const T& b) { return cost_of(a) > cost_of(b); });
+  std::vector<std::vector<T>> dealt(bins);
   std::vector<double> load(bins, 0.0);
-  for (const Task& task : tasks) {
+  for (const T& task : tasks) {
     const auto least = std::min_element(load.begin(), load.end()) - load.begin();
     dealt[least].push_back(task);
-    load[least] += static_cast<double>(task.length) * static_cast<double>(task.length);
+    load[least] += cost_of(task);
   }
   return dealt;
 }
 
-template <typename F>
-void for_each_task(const std::vector<Task>& tasks, const F& run) {
+template <typename T, typename F>
+void for_each_task(const std::vector<T>& tasks, const F& run) {
   const auto dealt = deal(tasks, at::get_num_threads());
   at::parallel_for(0, static_cast<int64_t>(dealt.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t bin = begin; bin < end; ++bin) {
-      for (const Task& task : dealt[bin]) run(task);
+      for (const T& task : dealt[bin]) run(task);
     }
   });
 }
@@ -339,37 +434,154 @@ struct Rows {
   const scalar_t* at(int64_t token, int64_t head) const {
     return data + (token * heads + head) * head_dim;
   }
-  // [L, Dp] rows of one head (padding zero).
-  void gather(const Task& t, int64_t head, int64_t dp, float* dst) const {
-    for (int64_t j = 0; j < t.length; ++j) {
-      const scalar_t* src = at(t.start + j, head);
+  // [S, Dp] rows of one head (padding zero).
+  void gather(const Span& s, int64_t head, int64_t dp, float* dst) const {
+    for (int64_t j = 0; j < s.length; ++j) {
+      const scalar_t* src = at(s.start + j, head);
       float* d = dst + j * dp;
       for (int64_t x = 0; x < head_dim; ++x) d[x] = static_cast<float>(src[x]);
       std::fill(d + head_dim, d + dp, 0.f);
     }
   }
-  // [D, Lp] transpose of one head (keys >= L zero).
-  void gather_transposed(const Task& t, int64_t head, int64_t lp, float* dst) const {
-    for (int64_t x = 0; x < head_dim; ++x) std::fill(dst + x * lp + t.length, dst + (x + 1) * lp, 0.f);
-    for (int64_t j = 0; j < t.length; ++j) {
-      const scalar_t* src = at(t.start + j, head);
-      for (int64_t x = 0; x < head_dim; ++x) dst[x * lp + j] = static_cast<float>(src[x]);
+  // Columns column .. column + S of the [D, lp] transpose of one head.
+  void gather_columns(const Span& s, int64_t head, int64_t lp, int64_t column, float* dst) const {
+    for (int64_t j = 0; j < s.length; ++j) {
+      const scalar_t* src = at(s.start + j, head);
+      for (int64_t x = 0; x < head_dim; ++x) dst[x * lp + column + j] = static_cast<float>(src[x]);
     }
   }
-  // [G, L, Dp] rows of the query heads of a task's group.
-  void gather_group(const Task& t, int64_t groups, int64_t dp, float* dst) const {
-    for (int64_t g = 0; g < groups; ++g) gather(t, t.kv_head * groups + g, dp, dst + g * t.length * dp);
+  // [G, S, Dp] rows of the query heads of a KV head's group.
+  void gather_group(const Span& s, int64_t groups, int64_t kv_head, int64_t dp, float* dst) const {
+    for (int64_t g = 0; g < groups; ++g) {
+      gather(s, kv_head * groups + g, dp, dst + g * s.length * dp);
+    }
   }
 };
 
 template <typename scalar_t>
-void scatter(const float* src, const Task& t, int64_t head, int64_t heads, int64_t head_dim,
+void scatter(const float* src, const Span& s, int64_t head, int64_t heads, int64_t head_dim,
              int64_t dp, scalar_t* dst) {
-  for (int64_t j = 0; j < t.length; ++j) {
-    scalar_t* d = dst + ((t.start + j) * heads + head) * head_dim;
-    const float* s = src + j * dp;
-    for (int64_t x = 0; x < head_dim; ++x) d[x] = static_cast<scalar_t>(s[x]);
+  for (int64_t j = 0; j < s.length; ++j) {
+    scalar_t* d = dst + ((s.start + j) * heads + head) * head_dim;
+    const float* from = src + j * dp;
+    for (int64_t x = 0; x < head_dim; ++x) d[x] = static_cast<scalar_t>(from[x]);
   }
+}
+
+int64_t padded_keys(int64_t keys) { return (keys + kWidth - 1) / kWidth * kWidth; }
+
+// The sizes every task of an op call shares.
+struct OpShape {
+  int64_t tokens, heads_q, heads_k, head_dim, dp, groups;
+  int nv;
+  bool causal;
+  float scale;
+};
+
+OpShape op_shape(const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
+  const int nv = vectors_for(q.size(2));
+  return {q.size(0), q.size(1), k.size(1), q.size(2), nv * kWidth, q.size(1) / k.size(1), nv,
+          causal, static_cast<float>(scale)};
+}
+
+template <typename scalar_t>
+struct ForwardTensors {
+  Rows<scalar_t> q, k, v;
+  scalar_t* out;
+  float* lse;
+};
+
+// One forward task: its rows gathered into float32 buffers (keys: the prefix's, then its own),
+// the row loops, out and lse written back.
+template <typename scalar_t>
+void forward_task(const Task& task, const OpShape& z, const ForwardTensors<scalar_t>& x) {
+  const int64_t L = task.own.length, P = task.prefix.length, lp = padded_keys(P + L);
+  const int64_t G = z.groups, dp = z.dp, h = task.kv_head;
+  std::vector<float> qb(G * L * dp), kt(z.head_dim * lp), vb((P + L) * dp), ob(G * L * dp),
+      lb(G * L), row(lp);
+  x.q.gather_group(task.own, G, h, dp, qb.data());
+  x.k.gather_columns(task.prefix, h, lp, 0, kt.data());
+  x.k.gather_columns(task.own, h, lp, P, kt.data());
+  x.v.gather(task.prefix, h, dp, vb.data());
+  x.v.gather(task.own, h, dp, vb.data() + P * dp);
+  const TaskShape shape{G, L, lp, static_cast<int>(z.head_dim), z.causal, z.scale, P};
+  row_kernels(z.nv).forward(shape, {qb.data(), kt.data(), vb.data(), ob.data(), lb.data(),
+                                    row.data()});
+  for (int64_t g = 0; g < G; ++g) {
+    scatter(ob.data() + g * L * dp, task.own, h * G + g, z.heads_q, z.head_dim, dp, x.out);
+    std::copy(lb.begin() + g * L, lb.begin() + (g + 1) * L,
+              x.lse + (h * G + g) * z.tokens + task.own.start);
+  }
+}
+
+template <typename scalar_t>
+struct BackwardTensors {
+  Rows<scalar_t> dout, q, out, k, v;
+  const float* lse;
+  scalar_t *dq, *dk, *dv;
+};
+
+// The float32 buffers of a backward task: keys K = P + the longest suffix, queries Q = the most
+// rows of one query range.
+struct BackwardScratch {
+  std::vector<float> q, dout, out, dq, lse, kt, vt, k, dk, dv, p, ds;
+  BackwardScratch(int64_t G, int64_t Q, int64_t K, int64_t lp, int64_t D, int64_t dp)
+      : q(G * Q * dp), dout(G * Q * dp), out(G * Q * dp), dq(G * Q * dp), lse(G * Q), kt(D * lp),
+        vt(D * lp), k(K * dp), dk(K * dp), dv(K * dp), p(lp), ds(lp) {}
+};
+
+// A query range's backward: the prefix's own rows (key_offset 0) or a suffix's (after the
+// prefix's P keys), its keys already in `b`; writes dq, accumulates into b.dk and b.dv.
+template <typename scalar_t>
+void backward_queries(const Span& s, int64_t h, int64_t key_offset, bool causal, int64_t lp,
+                      const OpShape& z, const BackwardTensors<scalar_t>& x, BackwardScratch& b) {
+  const int64_t G = z.groups, L = s.length, dp = z.dp;
+  x.q.gather_group(s, G, h, dp, b.q.data());
+  x.dout.gather_group(s, G, h, dp, b.dout.data());
+  x.out.gather_group(s, G, h, dp, b.out.data());
+  for (int64_t g = 0; g < G; ++g) {
+    const float* src = x.lse + (h * G + g) * z.tokens + s.start;
+    std::copy(src, src + L, b.lse.begin() + g * L);
+  }
+  const TaskShape shape{G, L, lp, static_cast<int>(z.head_dim), causal, z.scale, key_offset};
+  row_kernels(z.nv).backward(shape, {b.q.data(), b.dout.data(), b.out.data(), b.lse.data(),
+                                     b.kt.data(), b.vt.data(), b.k.data(), b.dq.data(),
+                                     b.dk.data(), b.dv.data(), b.p.data(), b.ds.data()});
+  for (int64_t g = 0; g < G; ++g) {
+    scatter(b.dq.data() + g * L * dp, s, h * G + g, z.heads_q, z.head_dim, dp, x.dq);
+  }
+}
+
+// One backward task: a group's prefix (or plain segment) and then each suffix in order, so
+// that the prefix's dk and dv sum over all their queries in a fixed order.
+template <typename scalar_t>
+void backward_group(const GroupTask& task, const OpShape& z, const BackwardTensors<scalar_t>& x) {
+  const Group& group = *task.group;
+  const int64_t h = task.kv_head, P = group.prefix.length, dp = z.dp, D = z.head_dim;
+  int64_t longest = 0;
+  for (const Span& s : group.suffixes) longest = std::max(longest, s.length);
+  const int64_t K = P + longest, lp = padded_keys(K);
+  BackwardScratch b(z.groups, std::max(P, longest), K, lp, D, dp);
+  x.k.gather_columns(group.prefix, h, lp, 0, b.kt.data());
+  x.v.gather_columns(group.prefix, h, lp, 0, b.vt.data());
+  x.k.gather(group.prefix, h, dp, b.k.data());
+  backward_queries(group.prefix, h, 0, z.causal, lp, z, x, b);
+  for (const Span& s : group.suffixes) {
+    for (int64_t c = 0; c < D; ++c) {  // clear the previous suffix's key columns
+      std::fill(b.kt.begin() + c * lp + P, b.kt.begin() + (c + 1) * lp, 0.f);
+      std::fill(b.vt.begin() + c * lp + P, b.vt.begin() + (c + 1) * lp, 0.f);
+    }
+    x.k.gather_columns(s, h, lp, P, b.kt.data());
+    x.v.gather_columns(s, h, lp, P, b.vt.data());
+    x.k.gather(s, h, dp, b.k.data() + P * dp);
+    std::fill(b.dk.begin() + P * dp, b.dk.end(), 0.f);
+    std::fill(b.dv.begin() + P * dp, b.dv.end(), 0.f);
+    backward_queries(s, h, P, true, lp, z, x, b);
+    scatter(b.dk.data() + P * dp, s, h, z.heads_k, D, dp, x.dk);
+    scatter(b.dv.data() + P * dp, s, h, z.heads_k, D, dp, x.dv);
+  }
+  scatter(b.dk.data(), group.prefix, h, z.heads_k, D, dp, x.dk);
+  scatter(b.dv.data(), group.prefix, h, z.heads_k, D, dp, x.dv);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -419,6 +631,67 @@ void check_output(const at::Tensor& t, const char* name, at::IntArrayRef shape,
                    t.scalar_type());
 }
 
+
+void check_prefix_of(const at::Tensor& prefix_of, const at::Tensor& cu_seqlens) {
+  TORCH_CHECK_VALUE(prefix_of.device().is_cpu(), "prefix_of must be on the CPU, got ",
+                    prefix_of.device());
+  TORCH_CHECK_TYPE(prefix_of.scalar_type() == at::kInt || prefix_of.scalar_type() == at::kLong,
+                   "prefix_of must be int32 or int64, got ", prefix_of.scalar_type());
+  TORCH_CHECK_VALUE(prefix_of.dim() == 1 && prefix_of.numel() == cu_seqlens.numel() - 1,
+                    "prefix_of must be 1-D with one entry per segment (cu_seqlens has ",
+                    cu_seqlens.numel() - 1, " segments), got shape ", prefix_of.sizes());
+}
+
+// Shared by both forward ops: outputs checked and cleared, the tasks run.
+void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const std::vector<Task>& tasks, const OpShape& z, at::Tensor& out,
+                 at::Tensor& lse) {
+  check_output(out, "out", q.sizes(), q.scalar_type());
+  check_output(lse, "lse", {z.heads_q, z.tokens}, at::kFloat);
+  out.zero_();  // tokens in no segment (only with unvalidated cu_seqlens)
+  lse.fill_(-std::numeric_limits<float>::infinity());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
+                                  "varlen_attention_cpu_out", [&] {
+    const ForwardTensors<scalar_t> x{{q.const_data_ptr<scalar_t>(), z.heads_q, z.head_dim},
+                                     {k.const_data_ptr<scalar_t>(), z.heads_k, z.head_dim},
+                                     {v.const_data_ptr<scalar_t>(), z.heads_k, z.head_dim},
+                                     out.data_ptr<scalar_t>(), lse.data_ptr<float>()};
+    for_each_task(tasks, [&](const Task& task) { forward_task(task, z, x); });
+  });
+}
+
+// Shared by both backward ops: the gradient inputs and outputs checked, the groups run.
+void run_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                  const std::vector<Group>& groups, const OpShape& z, at::Tensor& dq,
+                  at::Tensor& dk, at::Tensor& dv) {
+  check_rows(dout, "dout", q);
+  check_rows(out, "out", q);
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
+                    "dout and out must have q's shape ", q.sizes());
+  const at::Tensor lse_c = lse.contiguous();
+  check_output(lse_c, "lse", {z.heads_q, z.tokens}, at::kFloat);
+  check_output(dq, "dq", q.sizes(), q.scalar_type());
+  check_output(dk, "dk", k.sizes(), k.scalar_type());
+  check_output(dv, "dv", v.sizes(), v.scalar_type());
+  dq.zero_();
+  dk.zero_();
+  dv.zero_();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
+                                  "varlen_attention_cpu_backward_out", [&] {
+    const BackwardTensors<scalar_t> x{
+        {dout.const_data_ptr<scalar_t>(), z.heads_q, z.head_dim},
+        {q.const_data_ptr<scalar_t>(), z.heads_q, z.head_dim},
+        {out.const_data_ptr<scalar_t>(), z.heads_q, z.head_dim},
+        {k.const_data_ptr<scalar_t>(), z.heads_k, z.head_dim},
+        {v.const_data_ptr<scalar_t>(), z.heads_k, z.head_dim},
+        lse_c.const_data_ptr<float>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+        dv.data_ptr<scalar_t>()};
+    for_each_task(group_tasks(groups, z.heads_k),
+                  [&](const GroupTask& task) { backward_group(task, z, x); });
+  });
+}
+
 }  // namespace
 
 bool varlen_attention_cpu_uses_avx2() { return use_avx2(); }
@@ -427,38 +700,8 @@ void varlen_attention_cpu_out(const at::Tensor& q, const at::Tensor& k, const at
                               const at::Tensor& cu_seqlens, bool causal, double scale,
                               at::Tensor& out, at::Tensor& lse) {
   check_inputs(q, k, v, cu_seqlens);
-  const int64_t T = q.size(0), Hq = q.size(1), Hk = k.size(1), D = q.size(2);
-  check_output(out, "out", q.sizes(), q.scalar_type());
-  check_output(lse, "lse", {Hq, T}, at::kFloat);
-  out.zero_();  // tokens in no sequence (only with unvalidated cu_seqlens)
-  lse.fill_(-std::numeric_limits<float>::infinity());
-  const int nv = vectors_for(D);
-  const int64_t dp = nv * kWidth, groups = Hq / Hk;
-  float* lse_data = lse.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
-                                  "varlen_attention_cpu_out", [&] {
-    const Rows<scalar_t> qr{q.const_data_ptr<scalar_t>(), Hq, D};
-    const Rows<scalar_t> kr{k.const_data_ptr<scalar_t>(), Hk, D};
-    const Rows<scalar_t> vr{v.const_data_ptr<scalar_t>(), Hk, D};
-    scalar_t* out_data = out.data_ptr<scalar_t>();
-    for_each_task(tasks_of(cu_seqlens, T, Hk), [&](const Task& task) {
-      const int64_t L = task.length, lp = (L + kWidth - 1) / kWidth * kWidth;
-      std::vector<float> qb(groups * L * dp), kt(D * lp), vb(L * dp), ob(groups * L * dp),
-          lb(groups * L), row(lp);
-      qr.gather_group(task, groups, dp, qb.data());
-      kr.gather_transposed(task, task.kv_head, lp, kt.data());
-      vr.gather(task, task.kv_head, dp, vb.data());
-      const TaskShape shape{groups, L, lp, static_cast<int>(D), causal,
-                            static_cast<float>(scale)};
-      row_kernels(nv).forward(shape, {qb.data(), kt.data(), vb.data(), ob.data(), lb.data(),
-                                      row.data()});
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t h = task.kv_head * groups + g;
-        scatter(ob.data() + g * L * dp, task, h, Hq, D, dp, out_data);
-        std::copy(lb.begin() + g * L, lb.begin() + (g + 1) * L, lse_data + h * T + task.start);
-      }
-    });
-  });
+  const OpShape z = op_shape(q, k, causal, scale);
+  run_forward(q, k, v, tasks_of(segments_of(cu_seqlens, z.tokens), {}, z.heads_k), z, out, lse);
 }
 
 void varlen_attention_cpu_backward_out(const at::Tensor& dout, const at::Tensor& q,
@@ -467,59 +710,35 @@ void varlen_attention_cpu_backward_out(const at::Tensor& dout, const at::Tensor&
                                        const at::Tensor& cu_seqlens, bool causal, double scale,
                                        at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   check_inputs(q, k, v, cu_seqlens);
-  check_rows(dout, "dout", q);
-  check_rows(out, "out", q);
-  const int64_t T = q.size(0), Hq = q.size(1), Hk = k.size(1), D = q.size(2);
-  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-                    "dout and out must have q's shape ", q.sizes());
-  check_output(lse.contiguous(), "lse", {Hq, T}, at::kFloat);
-  check_output(dq, "dq", q.sizes(), q.scalar_type());
-  check_output(dk, "dk", k.sizes(), k.scalar_type());
-  check_output(dv, "dv", v.sizes(), v.scalar_type());
-  dq.zero_();
-  dk.zero_();
-  dv.zero_();
-  const at::Tensor lse_c = lse.contiguous();
-  const float* lse_data = lse_c.const_data_ptr<float>();
-  const int nv = vectors_for(D);
-  const int64_t dp = nv * kWidth, groups = Hq / Hk;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
-                                  "varlen_attention_cpu_backward_out", [&] {
-    const Rows<scalar_t> qr{q.const_data_ptr<scalar_t>(), Hq, D};
-    const Rows<scalar_t> dor{dout.const_data_ptr<scalar_t>(), Hq, D};
-    const Rows<scalar_t> outr{out.const_data_ptr<scalar_t>(), Hq, D};
-    const Rows<scalar_t> kr{k.const_data_ptr<scalar_t>(), Hk, D};
-    const Rows<scalar_t> vr{v.const_data_ptr<scalar_t>(), Hk, D};
-    scalar_t* dq_data = dq.data_ptr<scalar_t>();
-    scalar_t* dk_data = dk.data_ptr<scalar_t>();
-    scalar_t* dv_data = dv.data_ptr<scalar_t>();
-    for_each_task(tasks_of(cu_seqlens, T, Hk), [&](const Task& task) {
-      const int64_t L = task.length, lp = (L + kWidth - 1) / kWidth * kWidth;
-      const int64_t rows = groups * L * dp;
-      std::vector<float> qb(rows), dob(rows), ob(rows), dqb(rows), lb(groups * L), kt(D * lp),
-          vt(D * lp), kb(L * dp), dkb(L * dp, 0.f), dvb(L * dp, 0.f), p(lp), ds(lp);
-      qr.gather_group(task, groups, dp, qb.data());
-      dor.gather_group(task, groups, dp, dob.data());
-      outr.gather_group(task, groups, dp, ob.data());
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* src = lse_data + (task.kv_head * groups + g) * T + task.start;
-        std::copy(src, src + L, lb.begin() + g * L);
-      }
-      kr.gather_transposed(task, task.kv_head, lp, kt.data());
-      vr.gather_transposed(task, task.kv_head, lp, vt.data());
-      kr.gather(task, task.kv_head, dp, kb.data());
-      const TaskShape shape{groups, L, lp, static_cast<int>(D), causal,
-                            static_cast<float>(scale)};
-      row_kernels(nv).backward(shape, {qb.data(), dob.data(), ob.data(), lb.data(), kt.data(),
-                                       vt.data(), kb.data(), dqb.data(), dkb.data(),
-                                       dvb.data(), p.data(), ds.data()});
-      for (int64_t g = 0; g < groups; ++g) {
-        scatter(dqb.data() + g * L * dp, task, task.kv_head * groups + g, Hq, D, dp, dq_data);
-      }
-      scatter(dkb.data(), task, task.kv_head, Hk, D, dp, dk_data);
-      scatter(dvb.data(), task, task.kv_head, Hk, D, dp, dv_data);
-    });
-  });
+  const OpShape z = op_shape(q, k, causal, scale);
+  run_backward(dout, q, k, v, out, lse, groups_of(segments_of(cu_seqlens, z.tokens), {}), z, dq,
+               dk, dv);
+}
+
+void varlen_attention_cpu_prefix_out(const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                     const at::Tensor& prefix_of, double scale, at::Tensor& out,
+                                     at::Tensor& lse) {
+  check_inputs(q, k, v, cu_seqlens);
+  check_prefix_of(prefix_of, cu_seqlens);
+  const OpShape z = op_shape(q, k, true, scale);
+  const auto segments = segments_of(cu_seqlens, z.tokens);
+  const auto prefix = prefixes_of(prefix_of, static_cast<int64_t>(segments.size()));
+  run_forward(q, k, v, tasks_of(segments, prefix, z.heads_k), z, out, lse);
+}
+
+void varlen_attention_cpu_prefix_backward_out(const at::Tensor& dout, const at::Tensor& q,
+                                              const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& out, const at::Tensor& lse,
+                                              const at::Tensor& cu_seqlens,
+                                              const at::Tensor& prefix_of, double scale,
+                                              at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  check_inputs(q, k, v, cu_seqlens);
+  check_prefix_of(prefix_of, cu_seqlens);
+  const OpShape z = op_shape(q, k, true, scale);
+  const auto segments = segments_of(cu_seqlens, z.tokens);
+  const auto prefix = prefixes_of(prefix_of, static_cast<int64_t>(segments.size()));
+  run_backward(dout, q, k, v, out, lse, groups_of(segments, prefix), z, dq, dk, dv);
 }
 
 }  // namespace agentrl_fast

@@ -22,6 +22,24 @@ void varlen_attention_cpu_backward_out(const at::Tensor& dout, const at::Tensor&
                                        const at::Tensor& cu_seqlens, bool causal, double scale,
                                        at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
 
+// Prefix-shared (tree) mode, causal: prefix_of[B] (int32/int64) gives each segment's prefix
+// segment (-1: none). A suffix b's tokens attend to all tokens of segment prefix_of[b] and
+// causally to their own; prefixes and plain segments are the plain causal op. Unvalidated
+// entries that are no earlier non-suffix segment count as -1 (never read out of bounds).
+void varlen_attention_cpu_prefix_out(const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                     const at::Tensor& prefix_of, double scale, at::Tensor& out,
+                                     at::Tensor& lse);
+
+// The prefix mode's gradients: a prefix's dk and dv sum over its own queries and all its
+// suffixes' queries, in a fixed order (deterministic).
+void varlen_attention_cpu_prefix_backward_out(const at::Tensor& dout, const at::Tensor& q,
+                                              const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& out, const at::Tensor& lse,
+                                              const at::Tensor& cu_seqlens,
+                                              const at::Tensor& prefix_of, double scale,
+                                              at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+
 // Whether the kernels run their AVX2 + FMA build (else the baseline one: x86-64 CPUs without
 // AVX2 + FMA, other architectures, or AGENTRL_FAST_CPU_BASELINE=1).
 bool varlen_attention_cpu_uses_avx2();
