@@ -252,6 +252,23 @@ def test_tokens_outside_every_segment_are_written():
     assert (lse[:, 10:] == -math.inf).all() and torch.isfinite(lse[:, :10]).all()
 
 
+def test_public_function_runs_the_native_prefix_mode():
+    """varlen_attention(..., prefix_of=..., backend="native") runs these kernels (not the
+    generic LSE-merge path): the same bits, forward and backward through autograd."""
+    from agentrl_fast.ops import varlen_attention
+    from agentrl_fast.ops.varlen_attention import BACKENDS
+    assert BACKENDS["native"].prefix_forward is not None
+    layout = LAYOUTS["groups-and-plain"]
+    q, k, v, dout, cu, prefix_of = make_inputs(layout, 4, 2, 64, torch.bfloat16, seed=8)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = varlen_attention(*leaves, cu, max(length for length, _ in layout),
+                                prefix_of=prefix_of, return_lse=True, backend="native")
+    public = (out, lse, *torch.autograd.grad(out, leaves, dout))
+    direct = native_prefix(q, k, v, dout, cu, prefix_of, 64 ** -0.5)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), public, direct):
+        assert torch.equal(a, b), name
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: metadata raises, garbage values never crash.
 

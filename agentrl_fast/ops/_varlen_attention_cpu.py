@@ -3,7 +3,9 @@ kind ``"op"``: they fill preallocated outputs inside the registered ops of ``var
 
 - ``"reference"``: per-sequence scaled-dot-product attention in float32 (any device).
 - ``"native"``: our C++ kernel (``csrc/varlen_attention.cpp``; the CPU default): per sequence
-  and KV head, vectorised over keys, no padding.
+  and KV head, vectorised over keys, no padding; with its own prefix-shared mode (a suffix's
+  queries read its prefix's keys, then its own; a prefix's dk, dv summed over all its suffixes'
+  queries by one thread per KV head, deterministic).
 - ``"cpu_flash"``: torch's fused CPU flash-attention kernel on padded batches of sequences of
   similar length.
 """
@@ -132,8 +134,34 @@ def _native_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, sc
         lse.contiguous(), cu_seqlens, causal, scale, dq, dk, dv)
 
 
+def _native_prefix_forward(q, k, v, cu_seqlens, prefix_of, max_seqlen, scale, deterministic,
+                           out, lse):
+    torch.ops.agentrl_fast.varlen_attention_cpu_prefix_out(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, prefix_of, scale, out, lse)
+
+
+def _native_prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen, scale,
+                            deterministic, dq, dk, dv):
+    # Deterministic always: one thread sums a prefix's dk, dv over its suffixes, in order.
+    torch.ops.agentrl_fast.varlen_attention_cpu_prefix_backward_out(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+        lse.contiguous(), cu_seqlens, prefix_of, scale, dq, dk, dv)
+
+
+def _native_has_prefix_mode() -> bool:
+    """Whether the installed extension has the prefix-shared kernels (an older build without
+    them leaves the prefix mode to the generic LSE-merge path)."""
+    if _NATIVE_UNAVAILABLE is not None:
+        return False
+    from agentrl_fast import _native
+    return _native.has_kernel("varlen_attention_cpu_prefix_out", "CPU")
+
+
+_NATIVE_PREFIX = _native_has_prefix_mode()
 NATIVE = Backend("native", "op", _native_unavailable, forward=_native_forward,
-                 backward=_native_backward)
+                 backward=_native_backward,
+                 prefix_forward=_native_prefix_forward if _NATIVE_PREFIX else None,
+                 prefix_backward=_native_prefix_backward if _NATIVE_PREFIX else None)
 
 
 # ---------------------------------------------------------------------------------------------
