@@ -27,8 +27,8 @@ from side_envs import find_side_env, side_env_python
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 TRITONS = ["installed", "triton36"]  # this process's triton; the side environment's
-HOT = [f"varlen_attention_forward_{dtype}_d{head_dim}" for dtype in ("bf16", "fp16")
-       for head_dim in (64, 128)]
+HOT = [f"varlen_attention{mode}_forward_{dtype}_d{head_dim}" for mode in ("", "_prefix")
+       for dtype in ("bf16", "fp16") for head_dim in (64, 128)]  # plain and prefix-shared
 INTERPRET_FILES = sorted(p.name for p in (TESTS / "interpret").glob("test_*.py"))
 
 

@@ -152,7 +152,7 @@ def varlen_attention_prefix_backward_dkdv_kernel(
     total = own + tl.load(QUERY_PTR + sequence + 1) - first
     for g in tl.range(0, groups, flatten=not IEEE):
         head = kv_head * groups + g
-        for i in range(0, total):
+        for i in range(total):
             is_own = i < own
             entry = first + i - own  # (read only for a suffix block)
             row = tl.where(is_own, start,

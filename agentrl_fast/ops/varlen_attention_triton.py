@@ -35,6 +35,15 @@ framed by the gaps before its first and after its last entry, treated as sequenc
 own: with validated ``cu_seqlens`` these are empty; with unvalidated garbage every token is
 still written (finite values, never a crash or an out-of-range access).
 
+Prefix-shared mode (``prefix_forward`` / ``prefix_backward``, ``prefix_of``; the kernels of
+``agentrl_fast/kernels/varlen_attention_prefix.py``, at the plain kernels' configurations): a
+suffix's query tile runs over its prefix's keys, then its own causally. The tables, built on
+the device per (``cu_seqlens``, ``prefix_of``) pair of tensors: the sanitized prefix of each
+sequence (a bad entry reads as -1), tiles ordered with the prefix's keys (forward, dq) or the
+suffixes' queries (dk/dv) counted as work, and the CSR of each prefix's suffix query blocks that
+its dk/dv tiles walk in a fixed order (dk/dv summed in registers, no atomics; dq by atomics or,
+``deterministic``, by its own kernel, as the plain backward).
+
 With ``TRITON_INTERPRET=1`` set when this module is imported, the kernels run on CPU tensors
 (how the tests run them); otherwise the backend needs a CUDA device (sm_80 or newer).
 """
