@@ -19,12 +19,20 @@ Where the sequence boundaries come from, in each attention layer (see
 arguments; without them, the restarts of ``position_ids`` at 0; without those, the row is one
 sequence.
 
+Shared prefixes (issue 47, :class:`~agentrl_fast.models.packing.SharedLayout`): a ``prefix_of``
+keyword argument (int32 ``[B]``, ``varlen_attention``'s) rides along the forward's keyword
+arguments (transformers passes them to the attention function unchanged) and needs explicit
+``cu_seq_lens_q``: a suffix's position ids continue from its prefix's, so boundaries are never
+read from position ids then. transformers' own packed-sequence detection from ``position_ids``
+only shapes the mask function it hands to our mask function, which ignores it.
+
 Validation once per forward, not once per layer: the value checks of ``cu_seqlens`` (the
-``agentrl_fast::validate_cu_seqlens`` op, one host sync on the GPU) run on the first layer that sees
-a ``cu_seqlens`` tensor, which is then remembered as validated (by identity and version, for its
-``T`` and ``max_seqlen``) so that later layers skip them; ``packed_forward`` validates before the
-forward, so no layer repeats it. The attention op itself always runs with ``validate=False``.
-A ``cu_seqlens`` tensor reused (unmodified) across forwards is checked only the first time.
+``agentrl_fast::validate_cu_seqlens`` op, one host sync on the GPU; ``prefix_of``'s likewise) run
+on the first layer that sees a ``cu_seqlens`` tensor, which is then remembered as validated (by
+identity and version, for its ``T`` and ``max_seqlen``) so that later layers skip them;
+``packed_forward`` validates before the forward, so no layer repeats it. The attention op itself
+always runs with ``validate=False``. A ``cu_seqlens`` tensor reused (unmodified) across forwards
+is checked only the first time.
 
 Costs besides the attention: with ``position_ids`` and no ``attention_mask``, transformers' own
 mask preparation looks for packed sequences in ``position_ids`` (one host sync per forward, no
@@ -38,7 +46,8 @@ import torch
 
 
 from agentrl_fast.models.wrappers import unwrap
-from agentrl_fast.ops._checks import check_cu_seqlens_metadata, validate_cu_seqlens
+from agentrl_fast.ops._checks import (check_cu_seqlens_metadata, check_prefix_of_metadata,
+                                      validate_cu_seqlens, validate_prefix_of)
 from agentrl_fast.ops._tensor_memo import TensorMemo
 from agentrl_fast.ops.varlen_attention import varlen_attention
 
@@ -61,6 +70,29 @@ def _ensure_validated(cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int
         return
     validate_cu_seqlens(cu_seqlens, num_tokens, max_seqlen)
     _MEMO.put(cu_seqlens, fact, True)
+
+
+def _ensure_prefix_of_validated(prefix_of: torch.Tensor) -> None:
+    """Value checks of ``prefix_of``, once per tensor."""
+    if _MEMO.get(prefix_of, "validated"):
+        return
+    validate_prefix_of(prefix_of)
+    _MEMO.put(prefix_of, "validated", True)
+
+
+def _prefix_of(kwargs: dict, cu_seqlens: torch.Tensor | None,
+               device: torch.device) -> torch.Tensor | None:
+    """The forward's ``prefix_of`` (int32 ``[B]``), checked; None without one."""
+    prefix_of = kwargs.get("prefix_of")
+    if prefix_of is None:
+        return None
+    if cu_seqlens is None:
+        raise ValueError("prefix_of was passed without cu_seq_lens_q; shared-prefix segments need "
+                         "explicit boundaries (a suffix's position ids do not restart at 0): pass "
+                         "cu_seq_lens_q and max_length_q, or use packed_forward")
+    check_prefix_of_metadata(prefix_of, cu_seqlens.numel() - 1, device)
+    _ensure_prefix_of_validated(prefix_of)
+    return prefix_of
 
 
 def _cu_seqlens_from_position_ids(position_ids: torch.Tensor, num_tokens: int):
@@ -102,7 +134,8 @@ def _as_int(name: str, value) -> int:
     return value
 
 
-def _sequence_metadata(query: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, int]:
+def _sequence_metadata(query: torch.Tensor,
+                       kwargs: dict) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     num_tokens = query.shape[2]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
@@ -131,11 +164,12 @@ def _sequence_metadata(query: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor,
             cu_q = converted
         check_cu_seqlens_metadata(cu_q, query.device)
         _ensure_validated(cu_q, num_tokens, max_seqlen)
-        return cu_q, max_seqlen
+        return cu_q, max_seqlen, _prefix_of(kwargs, cu_q, query.device)
+    _prefix_of(kwargs, None, query.device)  # raises when there is one
     position_ids = kwargs.get("position_ids")
     if position_ids is not None:
-        return _cu_seqlens_from_position_ids(position_ids, num_tokens)
-    return torch.tensor([0, num_tokens], dtype=torch.int32, device=query.device), num_tokens
+        return *_cu_seqlens_from_position_ids(position_ids, num_tokens), None
+    return torch.tensor([0, num_tokens], dtype=torch.int32, device=query.device), num_tokens, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +197,9 @@ def packed_attention_forward(
     1. ``cu_seq_lens_q`` (int32, or int64, converted) and ``max_length_q`` (an int) from the
        forward's keyword arguments (``cu_seq_lens_k``/``max_length_k`` must describe the same
        packing; only their shape and value are compared). Their values are validated once per
-       tensor (the first layer; none at all after :func:`packed_forward`).
+       tensor (the first layer; none at all after :func:`packed_forward`). With them, a
+       ``prefix_of`` keyword argument (int32 ``[B]``) runs the shared-prefix mode (validated
+       once per tensor likewise).
     2. Otherwise ``position_ids`` from the keyword arguments: a sequence starts at every position
        0 (and at the first token). Valid by construction; one host sync per forward.
     3. Otherwise the row is one sequence.
@@ -195,7 +231,7 @@ def packed_attention_forward(
                          f"{softcap})")
     if s_aux is not None:
         raise ValueError("packed attention does not support attention sinks (s_aux)")
-    cu_seqlens, max_seqlen = _sequence_metadata(query, kwargs)
+    cu_seqlens, max_seqlen, prefix_of = _sequence_metadata(query, kwargs)
     if sliding_window is not None and max_seqlen > sliding_window:
         raise ValueError(f"packed attention does not support a sliding window: sliding_window = "
                          f"{sliding_window} < max_seqlen = {max_seqlen}")
@@ -204,8 +240,9 @@ def packed_attention_forward(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    extra = {} if prefix_of is None else {"prefix_of": prefix_of}  # the plain call unchanged
     out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=bool(causal),
-                           softmax_scale=scaling, validate=False)
+                           softmax_scale=scaling, validate=False, **extra)
     return out.unsqueeze(0), None
 
 
@@ -286,8 +323,25 @@ def _consumes_cu_seqlens(name) -> bool:
     return AttentionMaskInterface._global_mapping.get(name) is packed_attention_mask
 
 
+def _checked_prefix_of(name: str, prefix_of: torch.Tensor, cu_seqlens: torch.Tensor,
+                       validate: bool) -> torch.Tensor:
+    """``prefix_of`` checked (values too with ``validate``) and marked validated for the layers,
+    on a new tensor object like ``cu_seqlens``."""
+    from transformers import AttentionInterface
+
+    if AttentionInterface._global_mapping.get(name) is not packed_attention_forward:
+        raise ValueError(f"prefix_of needs the model on packed attention ({ATTN_NAME!r}), but it "
+                         f"uses {name!r}, which would ignore prefix_of; call "
+                         "agentrl_fast.models.use_packed_attention(model) first")
+    check_prefix_of_metadata(prefix_of, cu_seqlens.numel() - 1, cu_seqlens.device)
+    prefix_of = validate_prefix_of(prefix_of) if validate else prefix_of.view(-1)
+    _MEMO.put(prefix_of, "validated", True)
+    return prefix_of
+
+
 def packed_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
-                   cu_seqlens: torch.Tensor, max_seqlen: int, *, validate: bool = True, **kwargs):
+                   cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                   prefix_of: torch.Tensor | None = None, validate: bool = True, **kwargs):
     """Run ``model`` on one packed row; returns what ``model(...)`` returns.
 
     Args:
@@ -296,12 +350,17 @@ def packed_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Te
             of transformers' flash-attention implementations, is accepted too (they read the
             same keyword arguments); any other raises ValueError.
         input_ids: ``[1, T]`` or ``[T]`` (None when ``inputs_embeds`` is in ``kwargs``).
-        position_ids: ``[1, T]`` or ``[T]``, restarting at 0 per sequence; None builds them from
-            ``cu_seqlens``.
+        position_ids: ``[1, T]`` or ``[T]``, restarting at 0 per sequence (a suffix segment's
+            continuing from its prefix's length); None builds them from ``cu_seqlens`` (and
+            ``prefix_of``).
         cu_seqlens: int32 ``[B+1]`` (docs/design.md's packed layout; empty sequences allowed).
         max_seqlen: a Python int, at least the longest sequence.
-        validate: check ``cu_seqlens``/``max_seqlen`` values once, here, before the forward (one
-            host sync on the GPU); the layers then skip it. False skips it entirely.
+        prefix_of: None, or int32 ``[B]``: the shared-prefix mode of ``varlen_attention``
+            (:class:`~agentrl_fast.models.packing.SharedLayout`); needs our packed attention
+            (transformers' flash-attention would ignore it).
+        validate: check ``cu_seqlens``/``max_seqlen`` (and ``prefix_of``) values once, here,
+            before the forward (a host sync each on the GPU); the layers then skip it. False
+            skips it entirely.
         **kwargs: passed on to ``model`` (``use_cache`` defaults to False).
     """
     name = getattr(unwrap(model).config, "_attn_implementation", None)
@@ -333,10 +392,14 @@ def packed_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Te
     else:
         cu_seqlens = cu_seqlens.view(-1)
     _MEMO.put(cu_seqlens, ("validated", num_tokens, max_seqlen), True)
+    if prefix_of is not None:
+        prefix_of = _checked_prefix_of(name, prefix_of, cu_seqlens, validate)
+        kwargs["prefix_of"] = prefix_of
     if position_ids is None:
         from agentrl_fast.models.packing import position_ids_from_cu_seqlens
 
-        position_ids = position_ids_from_cu_seqlens(cu_seqlens, num_tokens).unsqueeze(0)
+        position_ids = position_ids_from_cu_seqlens(cu_seqlens, num_tokens,
+                                                    prefix_of).unsqueeze(0)
     elif position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
     if position_ids.shape != (1, num_tokens):

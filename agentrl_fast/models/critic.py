@@ -17,7 +17,8 @@ import torch
 
 from agentrl_fast.models.attention import packed_forward, use_packed_attention
 from agentrl_fast.models.fused import use_fused_layers, uses_fused_layers
-from agentrl_fast.models.policy import rows_to_tokens
+from agentrl_fast.models.packing import SharedLayout
+from agentrl_fast.models.policy import packed_inputs, rows_to_tokens
 
 
 def _as_packed(model: torch.nn.Module) -> torch.nn.Module:
@@ -36,7 +37,9 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.zeros_(self.score.bias)
 
     def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor):
-        """``hidden [T, H]`` -> ``(values [T], last_values [B])`` as :func:`critic_values`."""
+        """``hidden [T, H]`` -> ``(values [T], last_values [B])`` as :func:`critic_values`.
+        ``hidden`` is in the plain packing's token order (``policy_logprobs(return_hidden=True)``
+        gives it so with a shared layout too)."""
         return _values_from_rows(self.score(hidden)[:, 0].float(), cu_seqlens)
 
 
@@ -47,12 +50,25 @@ def _values_from_rows(raw: torch.Tensor, cu_seqlens: torch.Tensor):
     return rows_to_tokens(raw, cu_seqlens), last
 
 
+def _values_from_shared_rows(raw: torch.Tensor, layout: SharedLayout):
+    """``raw [Ts]`` per shared row -> ``(values [T], last_values [B])`` of the plain packing."""
+    def read(rows: torch.Tensor) -> torch.Tensor:
+        picked = raw.index_select(0, rows.clamp(min=0))
+        return torch.where(rows >= 0, picked, torch.zeros_like(picked))
+
+    return read(layout.prev_rows), read(layout.last_rows)
+
+
 def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                  cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                  layout: SharedLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values [T], last_values [B])`` float32: ``values[t] = V(x_<t)`` (0 at each sequence's
-    first token) and the value after each sequence's last token (0 for an empty sequence)."""
-    raw = packed_forward(critic, input_ids, position_ids, cu_seqlens, max_seqlen,
-                         validate=False).logits[0, :, 0].float()
+    first token) and the value after each sequence's last token (0 for an empty sequence).
+    ``layout``: the same sequences with shared prefixes; the critic runs on its rows."""
+    inputs = packed_inputs(input_ids, position_ids, cu_seqlens, max_seqlen, layout)
+    raw = packed_forward(critic, **inputs, validate=False).logits[0, :, 0].float()
+    if layout is not None:
+        return _values_from_shared_rows(raw, layout)
     return _values_from_rows(raw, cu_seqlens)
 
 

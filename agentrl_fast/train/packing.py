@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agentrl_fast.harness.trajectory import END_KINDS, SubTrace
-from agentrl_fast.models.packing import pack, unpack
+from agentrl_fast.models.packing import SharedLayout, pack, pack_shared, unpack
 
 __all__ = ["PackedBatch", "balanced_partition", "micro_batches", "pack_sub_traces",
            "rollout_index_map"]
@@ -309,7 +309,10 @@ class PackedBatch:
     - ``ends``: each sequence's ``SubTrace.end`` (``"terminal"``, ``"truncated"`` or
       ``"continued"``);
     - ``lengths``: each sequence's token count (a host-side copy of ``cu_seqlens.diff()``, so
-      :meth:`split` and :meth:`gather` need no device sync; derived when not given).
+      :meth:`split` and :meth:`gather` need no device sync; derived when not given);
+    - ``shared``: None, or the same sequences with shared prefixes (a
+      :class:`~agentrl_fast.models.packing.SharedLayout`, ``pack_sub_traces(share_prefixes=True)``)
+      for the models' forwards; every other field stays in the plain packing's coordinates.
     """
 
     input_ids: torch.Tensor
@@ -323,6 +326,7 @@ class PackedBatch:
     indices: list[int]
     ends: list[str]
     lengths: list[int] | None = field(default=None)
+    shared: SharedLayout | None = field(default=None)
 
     def __post_init__(self):
         if self.lengths is None:
@@ -339,10 +343,11 @@ class PackedBatch:
         return len(self.indices)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
-        """A copy with every tensor on ``device`` (lists copied, ``max_seqlen`` kept)."""
+        """A copy with every tensor (and the shared layout) on ``device`` (lists copied,
+        ``max_seqlen`` kept)."""
         moved = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
                  for f in dataclasses.fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
+                 if isinstance(getattr(self, f.name), (torch.Tensor, SharedLayout))}
         return dataclasses.replace(self, **moved, indices=list(self.indices), ends=list(self.ends),
                                    lengths=list(self.lengths))
 
@@ -430,8 +435,16 @@ def _check_indices(indices, count: int) -> list[int]:
     return out
 
 
+def _shareable(sub_trace: SubTrace) -> int:
+    """The tokens before the first action token: a span holding action tokens is never shared
+    (its log-probs and values are the loss's)."""
+    return next((i for i, action in enumerate(sub_trace.action_mask) if action),
+                len(sub_trace.ids))
+
+
 def pack_sub_traces(sub_traces: Sequence[SubTrace], indices: Sequence[int] | None = None,
-                    rollout_index: Mapping[str, int] | None = None) -> PackedBatch:
+                    rollout_index: Mapping[str, int] | None = None, *,
+                    share_prefixes: bool = False) -> PackedBatch:
     """Lay the chosen sub-traces end to end (on the CPU; move with :meth:`PackedBatch.to`).
 
     Args:
@@ -441,6 +454,9 @@ def pack_sub_traces(sub_traces: Sequence[SubTrace], indices: Sequence[int] | Non
         rollout_index: ``rollout_id -> int`` for :attr:`PackedBatch.rollout_index` (default:
             :func:`rollout_index_map` over the whole ``sub_traces``, so micro-batches of one
             global list agree; pass the global map when ``sub_traces`` is itself a slice).
+        share_prefixes: also lay the sub-traces out with shared prefixes
+            (:attr:`PackedBatch.shared`; the tokens before each one's first action token may be
+            shared), so the models run each shared prefix once.
 
     Returns:
         A :class:`PackedBatch`. Empty sub-traces (0 tokens) get an empty slot in
@@ -508,4 +524,6 @@ def pack_sub_traces(sub_traces: Sequence[SubTrace], indices: Sequence[int] | Non
         indices=indices,
         ends=[s.end for s in chosen],
         lengths=lengths,
+        shared=pack_shared([s.ids for s in chosen], [_shareable(s) for s in chosen])
+        if share_prefixes else None,
     )
