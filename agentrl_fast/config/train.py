@@ -12,6 +12,7 @@ ALGORITHMS = ("ppo", "grpo")
 CRITICS = ("separate", "shared")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 KL_MODES = ("loss", "reward")
+MINI_BATCH_ORDERS = ("shuffle", "task")
 
 
 @dataclass
@@ -46,6 +47,14 @@ class TrainConfig:
     whole rollouts, one update each (``epochs * mini_batches`` policy updates a step). More
     updates learn more from each batch of rollouts; the later ones are further off-policy
     (the clip bounds them)."""
+    mini_batch_order: str = "shuffle"
+    """How each epoch's mini-batches are drawn: ``"shuffle"``, a seeded shuffle of the
+    rollouts; ``"task"``, a seeded shuffle of the tasks, each task's rollouts kept together in
+    one mini-batch and in one micro-batch, the scoring's too (a task over
+    ``micro_batch_tokens`` is split; under torchrun ranks split by whole tasks), so its
+    samples' shared first prompt is laid out once (``share_prefixes``). ``"task"`` changes the
+    seeded order (other runs than ``"shuffle"``'s), and with fewer tasks than
+    ``mini_batches`` there are as many mini-batches as tasks."""
     epochs: int = 1
     """Passes over each batch of rollouts (PPO's epochs)."""
     policy_lr: float = 1e-4
@@ -202,6 +211,15 @@ class TrainConfig:
     keep_checkpoints: int | None = 3
     """The newest checkpoints kept in ``checkpoint_dir`` (older ones are deleted after each
     write); None: all."""
+    share_prefixes: bool = True
+    """Tree packing: in each micro-batch, sub-traces that begin with the same tokens before
+    their first action token (the system prompt, tools header, a task's first prompt) are laid
+    out with that prefix once, and the policy, critic and reference run it once (the
+    ``prefix_of`` mode of ``varlen_attention``). Exact: per-token log-probs, values and
+    gradients equal the plain packing's within float rounding; the warm-start shares too.
+    Falls back to the plain packing, with one log line, for a model whose attention would
+    ignore shared prefixes (not agentrl_fast's packed attention). False: the plain packing
+    (bit-identical to runs before the option)."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """How the run uses N ranks under ``torchrun`` (``DistributedConfig``)."""
 
@@ -213,6 +231,9 @@ class TrainConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"got {self.lr_schedule!r}")
+        if self.mini_batch_order not in MINI_BATCH_ORDERS:
+            raise ValueError(f"mini_batch_order must be one of {', '.join(MINI_BATCH_ORDERS)}, "
+                             f"got {self.mini_batch_order!r}")
         if self.kl_mode not in KL_MODES:
             raise ValueError(f"kl_mode must be one of {', '.join(KL_MODES)}, got {self.kl_mode!r}")
         for name in ("steps", "tasks_per_step", "micro_batch_tokens", "mini_batches", "epochs",

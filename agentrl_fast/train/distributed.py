@@ -185,18 +185,37 @@ class World:
 
 
 def local_plan(lengths: Sequence[int], indices: Sequence[int], micro_batch_tokens: int,
-               world: World | None) -> list[list[int] | None]:
+               world: World | None, groups: Sequence[Sequence[int]] | None = None
+               ) -> list[list[int] | None]:
     """Micro-batches (under ``micro_batch_tokens``) of this rank's share of ``indices``
     (``lengths``: every sequence's tokens); on several ranks padded with ``None`` (an empty
     micro-batch) to the same count on every rank, since each forward of a sharded model, and
-    the last backward of a step, is a collective."""
-    mine = list(indices) if world is None else world.share(indices, [lengths[i] for i in indices])
-    plan: list[list[int] | None] = [
-        [mine[j] for j in group]
-        for group in micro_batches([lengths[i] for i in mine], micro_batch_tokens)]
+    the last backward of a step, is a collective. ``groups`` (covering ``indices``): sequences
+    kept in one micro-batch and on one rank (a task's), see :func:`_grouped_plan`."""
+    if groups is not None:
+        plan = _grouped_plan(lengths, groups, micro_batch_tokens, world)
+    else:
+        mine = list(indices) if world is None else world.share(indices,
+                                                               [lengths[i] for i in indices])
+        plan = [[mine[j] for j in group]
+                for group in micro_batches([lengths[i] for i in mine], micro_batch_tokens)]
     if world is not None:
         plan += [None] * (int(world.maximum([max(len(plan), 1)])[0]) - len(plan))
     return plan
+
+
+def _grouped_plan(lengths: Sequence[int], groups: Sequence[Sequence[int]],
+                  micro_batch_tokens: int, world: World | None) -> list[list[int]]:
+    """Micro-batches (each ascending) of this rank's share of whole ``groups``: ranks and
+    micro-batches split by groups' tokens, a group over ``micro_batch_tokens`` into its
+    sequences (a rank's token count then differs from another's by up to a group's)."""
+    units = [list(g) for group in groups
+             for g in ([group] if sum(lengths[i] for i in group) <= micro_batch_tokens
+                       else [[i] for i in group])]
+    sizes = [sum(lengths[i] for i in unit) for unit in units]
+    mine = list(range(len(units))) if world is None else world.share(range(len(units)), sizes)
+    return [sorted(i for j in batch for i in units[mine[j]])
+            for batch in micro_batches([sizes[j] for j in mine], micro_batch_tokens)]
 
 
 def rank_token_metrics(world: World, lengths: Sequence[int]) -> dict[str, float]:

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from agentrl_fast.config.train import TrainConfig
-from agentrl_fast.models.attention import use_packed_attention
+from agentrl_fast.models.attention import packed_attention_forward, use_packed_attention
 from agentrl_fast.models.critic import ValueHead, make_critic
+from agentrl_fast.models.wrappers import unwrap
 from agentrl_fast.train.distributed import World
 
 
@@ -25,6 +26,24 @@ class Models:
     critic: torch.nn.Module | None = None
     reference: torch.nn.Module | None = None
     value_head: torch.nn.Module | None = None
+
+
+def plain_packing_reason(models: Models) -> str | None:
+    """Why the models cannot run shared prefixes (``prefix_of``), or None when every one runs
+    agentrl_fast's packed attention, as :func:`build_models` sets up (transformers'
+    flash-attention implementations read the sequence bounds but would ignore ``prefix_of``)."""
+    from transformers import AttentionInterface
+
+    for name in ("policy", "critic", "reference"):
+        model = getattr(models, name)
+        if model is None:
+            continue
+        implementation = getattr(unwrap(model).config, "_attn_implementation", None)
+        if AttentionInterface._global_mapping.get(implementation) is not packed_attention_forward:
+            return (f"train.share_prefixes: the {name} runs attention {implementation!r}, which "
+                    "would ignore shared prefixes; training on the plain packing (call "
+                    "agentrl_fast.models.use_packed_attention on it to share)")
+    return None
 
 
 def check_world(config: TrainConfig, world: World | None) -> None:

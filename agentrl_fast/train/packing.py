@@ -40,7 +40,7 @@ from agentrl_fast.harness.trajectory import END_KINDS, SubTrace
 from agentrl_fast.models.packing import SharedLayout, pack, pack_shared, unpack
 
 __all__ = ["PackedBatch", "balanced_partition", "micro_batches", "pack_sub_traces",
-           "rollout_index_map"]
+           "rollout_index_map", "shared_layout"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,6 +442,13 @@ def _shareable(sub_trace: SubTrace) -> int:
                 len(sub_trace.ids))
 
 
+def shared_layout(sub_traces: Sequence[SubTrace]) -> SharedLayout:
+    """``sub_traces`` (in this order) laid out with shared prefixes: the tokens before each
+    one's first action token may be shared (:func:`~agentrl_fast.models.packing.pack_shared`);
+    its maps lead to their plain packing (:func:`pack_sub_traces` of the same order)."""
+    return pack_shared([s.ids for s in sub_traces], [_shareable(s) for s in sub_traces])
+
+
 def pack_sub_traces(sub_traces: Sequence[SubTrace], indices: Sequence[int] | None = None,
                     rollout_index: Mapping[str, int] | None = None, *,
                     share_prefixes: bool = False) -> PackedBatch:
@@ -524,6 +531,5 @@ def pack_sub_traces(sub_traces: Sequence[SubTrace], indices: Sequence[int] | Non
         indices=indices,
         ends=[s.end for s in chosen],
         lengths=lengths,
-        shared=pack_shared([s.ids for s in chosen], [_shareable(s) for s in chosen])
-        if share_prefixes else None,
+        shared=shared_layout(chosen) if share_prefixes else None,
     )

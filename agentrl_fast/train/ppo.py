@@ -40,7 +40,8 @@ from agentrl_fast.train.context import StepContext
 from agentrl_fast.train.data import groups_with_signal, next_tasks
 from agentrl_fast.train.distributed import World, full_state_dict, rank_token_metrics
 from agentrl_fast.train.losses import POLICY_LOSSES
-from agentrl_fast.train.models import Models, build_models, build_optimizers, check_world
+from agentrl_fast.train.models import (Models, build_models, build_optimizers, check_world,
+                                       plain_packing_reason)
 from agentrl_fast.train.overlap import CriticOverlap
 from agentrl_fast.train.producer import (consume, gather_groups, importance_metrics, rank_share,
                                          staleness_metrics, start_producer)
@@ -92,6 +93,7 @@ class Trainer:
         models, self.rollout_policy = build_models(policy, config, world, critic, reference)
         self.policy, self.critic = models.policy, models.critic
         self.reference, self.value_head = models.reference, models.value_head
+        self._plain_logged = False  # the fallback from share_prefixes was logged
         (self.policy_optimizer, self.policy_scheduler, self.critic_optimizer,
          self.critic_scheduler) = build_optimizers(models, config)
         self.device = next(unwrap(self.policy).parameters()).device
@@ -326,7 +328,7 @@ class Trainer:
         context = self._context()
         overlap = self.critic is not None and policy_scores(self.models, config)
         with self.overlap.beside(overlap) as beside:
-            score(self.models, batch, context, beside)
+            metrics.update(score(self.models, batch, context, beside))
         if self.world is not None:
             metrics.update(rank_token_metrics(self.world, batch.lengths))
         if config.recomputes:
@@ -344,7 +346,19 @@ class Trainer:
 
     def _context(self, critic_only: bool = False) -> StepContext:
         return StepContext(self.config, self.device, self.temperature, self.kl_coef,
-                           self.step_index, self.world, self.overlap, critic_only)
+                           self.step_index, self.world, self.overlap, critic_only,
+                           self._shares_prefixes())
+
+    def _shares_prefixes(self) -> bool:
+        """``share_prefixes`` where every model reads shared prefixes, checked each step (a
+        model's attention may be switched); the first fallback to the plain packing is logged."""
+        if not self.config.share_prefixes:
+            return False
+        reason = plain_packing_reason(self.models)
+        if reason is not None and not self._plain_logged:
+            self.log(reason)
+            self._plain_logged = True
+        return reason is None
 
     def refresh_rollout_policy(self) -> None:
         """The generator samples from the updated policy: under FSDP the shards are first

@@ -281,7 +281,8 @@ def warm_start(config: RunConfig, policy, chat: ChatFormat, environment, demos: 
     sub_traces = [s for d in demos for s in (d.sub_traces if isinstance(d, Trajectory) else [d])]
     losses = sft(policy, sub_traces, steps=w.steps, lr=w.lr,
                  weight_decay=w.weight_decay, batch_sequences=w.batch_sequences,
-                 seed=config.seed, stop=reached, log=log)
+                 seed=config.seed, stop=reached, log=log,
+                 share_prefixes=config.train.share_prefixes)
     return losses, checks
 
 

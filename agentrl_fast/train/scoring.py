@@ -24,10 +24,11 @@ def policy_scores(models: Models, config) -> bool:
             or models.reference is not None)
 
 
-def _values_without_grad(critic, inputs):
+def _values_without_grad(critic, micro: MicroBatch):
     """``critic_values`` on the CPU, out of autograd (grad mode is per thread)."""
     with torch.no_grad():
-        return tuple(x.cpu() for x in critic_values(critic, *inputs))
+        return tuple(x.cpu() for x in critic_values(critic, *micro.model_inputs(),
+                                                    layout=micro.layout))
 
 
 class _Scored:
@@ -42,23 +43,27 @@ class _Scored:
 
 
 @torch.no_grad()
-def score(models: Models, batch: StepBatch, ctx: StepContext, beside: Callable) -> None:
+def score(models: Models, batch: StepBatch, ctx: StepContext,
+          beside: Callable) -> dict[str, float]:
     """Fill ``batch``'s ``old_logprobs``, ``ref_logprobs``, ``values`` and ``last_values``.
     On several ranks each scores its share (``ctx.plan``; None: an empty micro-batch,
     collectives only), then all are gathered. ``beside(fn, *args) -> result()`` runs the critic
-    beside the policy."""
+    beside the policy. Returns ``scoring_shared_token_fraction`` when a model ran on shared
+    prefixes."""
     for model in (models.policy, models.critic, models.reference, models.value_head):
         if model is not None:
             model.eval()  # targets without dropout noise
-    scored = _Scored()
+    scored, tokens = _Scored(), [0, 0]  # shared layouts' saved, plain tokens
+    share = ctx.share_prefixes and (models.critic is not None or policy_scores(models, ctx.config))
     for group in ctx.plan(batch, range(batch.num_sequences)):
         if group is None:  # take part in the sharded models' collectives
             _score_nothing(models, ctx)
             continue
-        micro = batch.micro(group).to(ctx.device)
-        inputs = micro.model_inputs()
+        micro = batch.micro(group, share_prefixes=share).to(ctx.device)
+        if micro.layout is not None:
+            tokens = [tokens[0] + micro.layout.saved_tokens, tokens[1] + micro.layout.num_tokens]
         # Results are kept on the CPU (advantages are computed there, ranks gather them).
-        critic_job = beside(_values_without_grad, models.critic, inputs) \
+        critic_job = beside(_values_without_grad, models.critic, micro) \
             if models.critic is not None else None
         _score_policy(models, ctx, group, micro, scored)
         if critic_job is not None:
@@ -68,6 +73,14 @@ def score(models: Models, batch: StepBatch, ctx: StepContext, beside: Callable) 
     if ctx.world is not None:
         _gather(ctx, scored)
     _write(batch, scored, ctx.config.recomputes)
+    return _shared_fraction(ctx.world, tokens) if share else {}
+
+
+def _shared_fraction(world, tokens: list[int]) -> dict[str, float]:
+    """``{"scoring_shared_token_fraction": saved / plain tokens}`` over every rank (``tokens``:
+    this rank's ``[saved, plain]``)."""
+    saved, plain = tokens if world is None else world.sum(tokens)
+    return {"scoring_shared_token_fraction": saved / plain} if plain else {}
 
 
 def _gather(ctx: StepContext, scored: _Scored) -> None:
@@ -121,19 +134,21 @@ def _score_policy(models: Models, ctx: StepContext, group: list[int], micro: Mic
                   scored: _Scored) -> None:
     """Old (and reference) log-probs of a micro-batch; with a shared head, its values."""
     inputs, mask = micro.model_inputs(), micro.action_mask  # no loss reads the other tokens'
-    temperature = ctx.temperature
+    temperature, layout = ctx.temperature, micro.layout
     if models.value_head is not None:
         logp, hidden = policy_logprobs(models.policy, *inputs, temperature=temperature,
-                                       return_hidden=True, token_mask=mask)
+                                       return_hidden=True, token_mask=mask, layout=layout)
         v, v_last = (x.cpu() for x in models.value_head(hidden, micro.packed.cu_seqlens))
         scored.put("values", group, micro, v)
         scored.last.update(zip(group, v_last))
     elif ctx.config.recomputes:
-        logp = policy_logprobs(models.policy, *inputs, temperature=temperature, token_mask=mask)
+        logp = policy_logprobs(models.policy, *inputs, temperature=temperature, token_mask=mask,
+                               layout=layout)
     else:
         logp = None  # the rollout's log-probs stand in (``_write``)
     if logp is not None:
         scored.put("old", group, micro, logp.cpu())
     if models.reference is not None:
         scored.put("ref", group, micro, policy_logprobs(
-            models.reference, *inputs, temperature=temperature, token_mask=mask).cpu())
+            models.reference, *inputs, temperature=temperature, token_mask=mask,
+            layout=layout).cpu())

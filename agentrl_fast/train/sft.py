@@ -37,12 +37,14 @@ def sft(policy: torch.nn.Module, sub_traces: Sequence[SubTrace], *, steps: int,
         lr: float = 3e-3, batch_sequences: int = 16, micro_batch_tokens: int = 4096,
         weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0,
         stop: Callable[[int, list[float]], bool] | None = None,
-        log: Callable[[dict], None] | None = None) -> list[float]:
+        log: Callable[[dict], None] | None = None, share_prefixes: bool = True) -> list[float]:
     """Up to ``steps`` AdamW steps of token-mean negative log-likelihood of the action tokens of
     ``sub_traces`` (batches of ``batch_sequences`` sub-traces drawn in a seeded order, packed
     under ``micro_batch_tokens``; linear warm-up over the first tenth, then constant); returns
     the loss of each step run. ``stop(steps_run, losses)``, called after every step, ends the
-    warm-start early by returning True (e.g. once the policy solves enough validation tasks)."""
+    warm-start early by returning True (e.g. once the policy solves enough validation tasks).
+    ``share_prefixes``: each micro-batch's shared prefixes run once (``train.share_prefixes``;
+    exact: the policy is put on packed attention, which reads them)."""
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     if not sub_traces and steps:
@@ -67,10 +69,11 @@ def sft(policy: torch.nn.Module, sub_traces: Sequence[SubTrace], *, steps: int,
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for group in micro_batches([len(sub_traces[i]) for i in batch], micro_batch_tokens):
-            packed = pack_sub_traces(sub_traces, [batch[j] for j in group])
+            packed = pack_sub_traces(sub_traces, [batch[j] for j in group],
+                                     share_prefixes=share_prefixes)
             logp = policy_logprobs(policy, packed.input_ids, packed.position_ids,
                                    packed.cu_seqlens, packed.max_seqlen,
-                                   token_mask=packed.action_mask)
+                                   token_mask=packed.action_mask, layout=packed.shared)
             loss = -(logp * packed.action_mask).sum() / max(tokens, 1)
             loss.backward()
             total += loss.item()

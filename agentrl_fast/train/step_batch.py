@@ -11,19 +11,22 @@ with ``packed``'s tokens; per-sequence ones ``[B]``.
     batch.old_logprobs = ...                        # scoring
     batch.advantages, batch.returns = estimator(batch, config)
     micro = batch.micro([3, 0, 5]).to(device)       # three sub-traces, in this order
+    micro = batch.micro([3, 0, 5], share_prefixes=True)  # with their shared-prefix layout
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from agentrl_fast.harness.trajectory import SubTrace, Trajectory
-from agentrl_fast.train.packing import PackedBatch, pack_sub_traces
+from agentrl_fast.models.packing import SharedLayout
+from agentrl_fast.train.packing import PackedBatch, pack_sub_traces, shared_layout
 
 # The per-token fields a micro-batch slices out of the step (None stays None).
 TOKEN_FIELDS = ("rewards", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
@@ -58,6 +61,12 @@ class MicroBatch:
         packed = self.packed
         return packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen
 
+    @property
+    def layout(self) -> SharedLayout | None:
+        """The same sub-traces with shared prefixes (the models' ``layout=``), or None: the
+        models run on the plain packing."""
+        return self.packed.shared
+
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {name: getattr(self, name).to(device) for name in TOKEN_FIELDS
                  if getattr(self, name) is not None}
@@ -88,6 +97,11 @@ class StepBatch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     weights: torch.Tensor | None = None  # the current mini-batch's loss weights (updates)
+    # Shared-prefix layouts by micro-batch (the policy's and the critic's updates share them;
+    # the lock: the critic's thread waits for the policy's layout instead of making its own).
+    layouts: dict[tuple[int, ...], SharedLayout] = field(default_factory=dict, repr=False)
+    layouts_lock: threading.Lock = field(default_factory=threading.Lock, repr=False,
+                                         compare=False)
 
     @classmethod
     def of(cls, trajectories: Sequence[Trajectory]) -> StepBatch:
@@ -139,14 +153,35 @@ class StepBatch:
         if indices:
             per_token[self.token_index(indices)] = torch.cat(list(values)).to(per_token.dtype)
 
-    def micro(self, indices: Sequence[int]) -> MicroBatch:
+    def task_groups(self) -> list[list[int]]:
+        """The step's sub-trace numbers of each task (its rollouts' sub-traces, in order), tasks
+        in order of first appearance; a rollout without a ``task_id`` is a group of its own."""
+        task_of = {t.rollout_id: t.task_id for t in self.trajectories}
+        groups: dict[tuple, list[int]] = {}
+        for i, sub_trace in enumerate(self.sub_traces):
+            task = task_of.get(sub_trace.rollout_id)
+            key = ("rollout", sub_trace.rollout_id) if task is None else ("task", task)
+            groups.setdefault(key, []).append(i)
+        return list(groups.values())
+
+    def micro(self, indices: Sequence[int], share_prefixes: bool = False) -> MicroBatch:
         """Sub-traces ``indices`` (the step's numbering) as a :class:`MicroBatch`, in that
-        order: the packed tensors and every per-token field sliced, nothing re-tokenized."""
+        order: the packed tensors and every per-token field sliced, nothing re-tokenized; with
+        ``share_prefixes`` also their shared-prefix layout (:attr:`MicroBatch.layout`)."""
         index = self.token_index(indices)
         packed = _select(self.packed, list(indices), index)
+        if share_prefixes:
+            packed.shared = self._layout(tuple(indices))
         fields = {name: getattr(self, name).index_select(0, index) for name in TOKEN_FIELDS
                   if getattr(self, name) is not None}
         return MicroBatch(packed, **fields)
+
+    def _layout(self, indices: tuple[int, ...]) -> SharedLayout:
+        """Sub-traces ``indices`` with shared prefixes, laid out once per step."""
+        with self.layouts_lock:
+            if indices not in self.layouts:
+                self.layouts[indices] = shared_layout([self.sub_traces[i] for i in indices])
+            return self.layouts[indices]
 
 
 def _select(packed: PackedBatch, positions: list[int], index: torch.Tensor) -> PackedBatch:

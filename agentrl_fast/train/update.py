@@ -70,6 +70,16 @@ class Sums:
                 **self.maxima}
 
 
+SHARED_KEYS = ("saved_tokens", "plain_tokens")  # shared layouts' saved / plain tokens
+
+
+def count_shared(sums: Sums, micro: MicroBatch) -> None:
+    """A shared layout's saved and plain tokens into ``sums`` (nothing without one)."""
+    if micro.layout is not None:
+        sums.plain["saved_tokens"] += micro.layout.saved_tokens
+        sums.plain["plain_tokens"] += micro.layout.num_tokens
+
+
 def mini_batches(num_rollouts: int, count: int, seed: int, step: int, epoch: int
                  ) -> list[list[int]]:
     """``count`` mini-batches of rollout positions ``0..num_rollouts-1`` in a seeded order."""
@@ -77,6 +87,12 @@ def mini_batches(num_rollouts: int, count: int, seed: int, step: int, epoch: int
         derive_seed(seed, "minibatch", step, epoch))).tolist()
     size = math.ceil(num_rollouts / count)
     return [order[i:i + size] for i in range(0, num_rollouts, size)]
+
+
+def mini_batch_units(batch: StepBatch, order: str) -> list[list[int]]:
+    """What mini-batches are drawn from: the step's sub-trace numbers of each rollout
+    (``"shuffle"``) or of each task (``"task"``)."""
+    return batch.task_groups() if order == "task" else _by_rollout(batch)
 
 
 def _by_rollout(batch: StepBatch) -> list[list[int]]:
@@ -93,17 +109,18 @@ def update_epochs(models: Models, optimizers: Optimizers, ctx: StepContext,
     mini-batches of whole rollouts, the critic's beside the policy's. ``ctx.critic_only``
     (critic warm-up): the separate critic's passes alone, or a shared critic's value head in
     the policy's passes (:func:`head_update`). Returns the metrics averaged over the updates,
-    ``ratio_max`` the maximum."""
+    ``ratio_max`` the maximum, ``shared_token_fraction`` over every micro-batch when sharing
+    prefixes."""
     config = ctx.config
-    rollouts = _by_rollout(batch)
+    units = mini_batch_units(batch, config.mini_batch_order)
     critic_epochs = config.critic_epochs if config.critic_epochs is not None else config.epochs
     policy_epochs = 0 if ctx.critic_only and models.value_head is None else config.epochs
     totals = {"policy": Counter(), "critic": Counter()}
-    counts, ratio_max = Counter(), None
+    counts, ratio_max, shared = Counter(), None, Counter()
     for epoch in range(max(policy_epochs, critic_epochs if models.critic is not None else 0)):
-        for group in mini_batches(len(rollouts), config.mini_batches, config.seed, ctx.step,
+        for group in mini_batches(len(units), config.mini_batches, config.seed, ctx.step,
                                   epoch):
-            indices = sorted(i for r in group for i in rollouts[r])
+            indices = sorted(i for r in group for i in units[r])
             if not any(batch.sub_traces[i].num_action_tokens for i in indices):
                 continue
             run_critic = models.critic is not None and epoch < critic_epochs
@@ -116,6 +133,7 @@ def update_epochs(models: Models, optimizers: Optimizers, ctx: StepContext,
                 if "ratio_max" in metrics:
                     ratio = metrics.pop("ratio_max")
                     ratio_max = ratio if ratio_max is None else max(ratio_max, ratio)
+                shared.update({key: metrics.pop(key) for key in SHARED_KEYS if key in metrics})
                 totals[kind].update(metrics)
                 counts[kind + " updates"] += 1
     result = {key: value / max(counts["policy"], 1) for key, value in totals["policy"].items()}
@@ -123,6 +141,8 @@ def update_epochs(models: Models, optimizers: Optimizers, ctx: StepContext,
                    for key, value in totals["critic"].items()})
     if ratio_max is not None:
         result["ratio_max"] = ratio_max
+    if shared["plain_tokens"]:
+        result["shared_token_fraction"] = shared["saved_tokens"] / shared["plain_tokens"]
     return result
 
 
@@ -178,7 +198,7 @@ def policy_update(models: Models, optimizer, ctx: StepContext, batch: StepBatch,
                 policy_logprobs(models.policy, *empty_batch(ctx.device),
                                 temperature=ctx.temperature).sum().mul(0.0).backward()
                 continue
-            policy_micro_batch(models, ctx, batch.micro(group).to(ctx.device), sums)
+            policy_micro_batch(models, ctx, ctx.micro(batch, group), sums)
     sums = sums.reduced(ctx.world)
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     norm = _clip_and_step(optimizer, parameters, ctx.config.max_grad_norm)
@@ -192,7 +212,8 @@ def policy_micro_batch(models: Models, ctx: StepContext, micro: MicroBatch, sums
     config, shared = ctx.config, models.value_head is not None
     logp, entropy, *hidden = policy_logprobs(
         models.policy, *micro.model_inputs(), temperature=ctx.temperature,
-        return_entropy=True, return_hidden=shared, token_mask=micro.action_mask)
+        return_entropy=True, return_hidden=shared, token_mask=micro.action_mask,
+        layout=micro.layout)
     loss, metrics = POLICY_LOSSES.get(config.policy_loss)(logp, entropy, micro, ctx)
     total = loss
     if ctx.world is not None:  # the reduction averages over ranks; the loss is a sum
@@ -214,6 +235,7 @@ def policy_micro_batch(models: Models, ctx: StepContext, micro: MicroBatch, sums
                                                            ("entropy", "entropy_mean"))
                       if name in metrics})
     sums.add_tokens(share, per_token)
+    count_shared(sums, micro)
     if "ratio_max" in metrics:
         sums.add_max("ratio_max", metrics["ratio_max"])
 
@@ -227,17 +249,18 @@ def head_update(models: Models, optimizer, ctx: StepContext, batch: StepBatch,
     optimizer.zero_grad(set_to_none=True)
     sums = Sums()
     for group in ctx.plan(batch, indices):
-        micro = batch.micro(group).to(ctx.device)
+        micro = ctx.micro(batch, group)
         with torch.no_grad():
             _, hidden = policy_logprobs(models.policy, *micro.model_inputs(),
                                         temperature=ctx.temperature, return_hidden=True,
-                                        token_mask=micro.action_mask)
+                                        token_mask=micro.action_mask, layout=micro.layout)
         v, _ = models.value_head(hidden, micro.packed.cu_seqlens)
         loss, metrics = value_loss(v, micro.values, micro.returns, micro.action_mask,
                                    clip=ctx.config.value_clip, token_weights=micro.weights)
         loss.backward()
         sums.plain["value_loss"] += loss.item()
         sums.add_tokens(micro.num_action_tokens, {"value_clipfrac": metrics["vf_clipfrac"]})
+        count_shared(sums, micro)
     norm = _clip_and_step(optimizer, list(models.value_head.parameters()),
                           ctx.config.max_grad_norm)
     return {**sums.averages(), "critic_grad_norm": norm}
@@ -255,14 +278,15 @@ def critic_update(critic, optimizer, ctx: StepContext, batch: StepBatch,
             if group is None:  # an empty micro-batch: collectives only, zero gradient
                 critic_values(critic, *empty_batch(ctx.device))[0].sum().mul(0.0).backward()
                 continue
-            micro = batch.micro(group).to(ctx.device)
-            v, _ = critic_values(critic, *micro.model_inputs())
+            micro = ctx.micro(batch, group)
+            v, _ = critic_values(critic, *micro.model_inputs(), layout=micro.layout)
             loss, metrics = value_loss(v, micro.values, micro.returns, micro.action_mask,
                                        clip=ctx.config.value_clip, token_weights=micro.weights)
             (loss * (ctx.world.size if ctx.world is not None else 1)).backward()
             sums.plain["value_loss"] += loss.item()
             sums.add_tokens(int(micro.action_mask.sum()),
                             {"value_clipfrac": metrics["vf_clipfrac"]})
+            count_shared(sums, micro)
     sums = sums.reduced(ctx.world)
     norm = _clip_and_step(optimizer, critic.parameters(), ctx.config.max_grad_norm)
     return {**sums.averages(), "critic_grad_norm": norm}
