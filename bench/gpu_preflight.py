@@ -36,6 +36,9 @@ STAGE_MODULES = {
     "bench_varlen_attention": BENCH,
     "bench_token_logprobs": BENCH,
     "bench_ppo_loss": BENCH,
+    # the main job's models and rollouts (agentrl_fast.train.run.build and what it imports)
+    "bench_prefix_sharing": BENCH + ("transformers", "tokenizers", "safetensors", "yaml",
+                                     "jsonschema", "tqdm", "matplotlib"),
     "bench_compiled": BENCH,
     "tests": BENCH + ("pytest", "hypothesis", "jsonschema", "transformers", "tokenizers",
                       "safetensors", "yaml", "tqdm", "matplotlib"),
@@ -53,6 +56,7 @@ STAGE_SCRIPTS = {
     "bench_varlen_attention": ("bench/bench_varlen_attention.py",),
     "bench_token_logprobs": ("bench/bench_token_logprobs.py",),
     "bench_ppo_loss": ("bench/bench_ppo_loss.py",),
+    "bench_prefix_sharing": ("bench/bench_prefix_sharing.py",),
     "bench_compiled": ("bench/bench_ppo_loss.py", "bench/bench_token_logprobs.py",
                        "bench/bench_varlen_attention.py"),
     "tests": ("tests/conftest.py",),  # and every test file with a gpu mark: gpu_test_files()

@@ -13,15 +13,17 @@
 # bench.log (every benchmark's output, the tuning sweep's too), tune.md and tuned_configs.json
 # (the sweep's choices, which the later stages use: commit the file as
 # agentrl_fast/kernels/tuned_configs.json), rows.jsonl (every benchmark's rows; a benchmark cut off
-# midway leaves its rows in <op>.jsonl), tests.log, sanitize.log. Exit status: non-zero when a
-# stage failed or timed out. A stage whose modules the preflight could not import is skipped
-# with the reason (not a failure of the suite); a stage with under 10 s of the suite left is
-# skipped and counts as failed.
+# midway leaves its rows in <op>.jsonl), prefix_sharing.md (bench/bench_prefix_sharing.py's
+# record: shared against plain packing, beside the FLOP model's ideal), tests.log, sanitize.log.
+# Exit status: non-zero when a stage failed or timed out. A stage whose modules the preflight
+# could not import is skipped with the reason (not a failure of the suite); a stage with under
+# 10 s of the suite left is skipped and counts as failed.
 set -u
 
 # name:cap (seconds), in the order they run. The caps sum to SUITE_SECONDS (a CI test checks).
-STAGES=(preflight:15 build:70 tune:60 bench_gae:30 bench_varlen_attention:55
-        bench_token_logprobs:30 bench_ppo_loss:20 bench_compiled:25 tests:75 sanitize:40)
+STAGES=(preflight:15 build:70 tune:45 bench_gae:30 bench_varlen_attention:45
+        bench_token_logprobs:30 bench_ppo_loss:20 bench_prefix_sharing:25 bench_compiled:25
+        tests:75 sanitize:40)
 
 plan() {
   local total=0 entry
@@ -228,11 +230,16 @@ run_stage() {
     bench_gae) stage bench_gae bench.log bench gae --max-seconds 2 ;;
     bench_varlen_attention)
       stage bench_varlen_attention bench.log bench varlen_attention --skip flex_attention \
-        --time-budget 38 ;;
+        --time-budget 30 ;;
     bench_token_logprobs)
       stage bench_token_logprobs bench.log bench token_logprobs --no-compile --budget-seconds 22 \
         --max-seconds 2 ;;
     bench_ppo_loss) stage bench_ppo_loss bench.log bench ppo_loss --no-compile --max-seconds 2 ;;
+    bench_prefix_sharing)
+      # prefix-shared packing against the plain one (long prompts first; nothing new starts
+      # after 12 s; the record is OUT/prefix_sharing.md, rewritten after each part)
+      stage bench_prefix_sharing bench.log bench prefix_sharing --time-budget 12 \
+        --max-seconds 1 ;;
     bench_compiled) stage bench_compiled bench.log bench_compiled ;;
     tests) stage tests tests.log gpu_tests ;;
     sanitize) stage sanitize sanitize.log sanitize ;;
