@@ -380,3 +380,17 @@ def test_direct_model_call_and_bad_input(monkeypatch):
     with pytest.raises(ValueError, match="layout describes"):
         policy_logprobs(policy, batch.input_ids[:, :-1], batch.position_ids[:, :-1],
                         batch.cu_seqlens, batch.max_seqlen, layout=layout)
+
+
+def test_a_sliding_window_counts_the_shared_prefix():
+    # A suffix attends its prefix too: a window shorter than prefix + suffix must refuse, even
+    # though every segment alone fits in it.
+    from agentrl_fast.models.attention import packed_attention_forward
+    q = torch.randn(1, 2, 7, 8)
+    meta = dict(cu_seq_lens_q=torch.tensor([0, 4, 7], dtype=torch.int32), max_length_q=4,
+                prefix_of=torch.tensor([-1, 0], dtype=torch.int32))
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="sliding window.*7 tokens, a shared prefix included"):
+        packed_attention_forward(module, q, q, q, None, sliding_window=5, **meta)
+    out, _ = packed_attention_forward(module, q, q, q, None, sliding_window=7, **meta)
+    assert out.shape == (1, 7, 2, 8)

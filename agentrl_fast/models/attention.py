@@ -122,6 +122,21 @@ def _cu_seqlens_from_position_ids(position_ids: torch.Tensor, num_tokens: int):
     return derived
 
 
+def _longest_key_span(cu_seqlens: torch.Tensor, prefix_of: torch.Tensor) -> int:
+    """The most keys a query attends in the prefix-shared mode: a suffix's length plus its
+    prefix's. One host sync per ``prefix_of`` tensor (memoized across layers); only models with
+    a sliding window ask."""
+    fact = ("key span", cu_seqlens.data_ptr())
+    span = _MEMO.get(prefix_of, fact)
+    if span is None:
+        lengths = cu_seqlens.diff().long()
+        prefix = prefix_of.long()
+        spans = lengths + torch.where(prefix >= 0, lengths[prefix.clamp(min=0)], 0)
+        span = int(spans.max()) if spans.numel() else 0
+        _MEMO.put(prefix_of, fact, span)
+    return span
+
+
 def _as_int(name: str, value) -> int:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -232,9 +247,12 @@ def packed_attention_forward(
     if s_aux is not None:
         raise ValueError("packed attention does not support attention sinks (s_aux)")
     cu_seqlens, max_seqlen, prefix_of = _sequence_metadata(query, kwargs)
-    if sliding_window is not None and max_seqlen > sliding_window:
-        raise ValueError(f"packed attention does not support a sliding window: sliding_window = "
-                         f"{sliding_window} < max_seqlen = {max_seqlen}")
+    if sliding_window is not None:
+        span = max_seqlen if prefix_of is None else _longest_key_span(cu_seqlens, prefix_of)
+        if span > sliding_window:
+            raise ValueError(f"packed attention does not support a sliding window: sliding_window "
+                             f"= {sliding_window} < the longest sequence ({span} tokens"
+                             f"{'' if prefix_of is None else ', a shared prefix included'})")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # [1, H, L, D] -> [L, H, D]: views, no copies.
     q = query[0].transpose(0, 1)
