@@ -250,9 +250,9 @@ def packed_attention_forward(
     if sliding_window is not None:
         span = max_seqlen if prefix_of is None else _longest_key_span(cu_seqlens, prefix_of)
         if span > sliding_window:
+            what = "max_seqlen" if prefix_of is None else "the longest prefix + suffix"
             raise ValueError(f"packed attention does not support a sliding window: sliding_window "
-                             f"= {sliding_window} < the longest sequence ({span} tokens"
-                             f"{'' if prefix_of is None else ', a shared prefix included'})")
+                             f"= {sliding_window} < {what} = {span}")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # [1, H, L, D] -> [L, H, D]: views, no copies.
     q = query[0].transpose(0, 1)
