@@ -32,7 +32,12 @@ In one run:
    (``critic_values``, ``value_loss``), with and without ``layout=`` (``pack_sub_traces``
    with ``share_prefixes`` True / False); optimizer steps are not timed. Packing (host side,
    per step) is timed apart. ``--profile`` prints a profile of each step's shared and plain
-   passes (where the time goes).
+   passes (where the time goes). The mini-batches are the trainer's of a run's first step.
+
+3. **The trainer's step**: ``Trainer.train_on`` of the same rollouts (the critic's scoring,
+   GAE, the updates with their optimizer steps) by two trainers of the same policy with
+   ``train.share_prefixes`` on and off, each call the run's first step again (a fixed step
+   batch); the trainer's own ``shared_token_fraction`` metrics beside it.
 
 FLOP model. Attention: forward ``4 * D * Hq`` per (query, key) pair a query attends (plain: a
 causal sequence of L tokens has ``L(L+1)/2`` pairs; shared: a suffix of length L after a
@@ -47,8 +52,8 @@ the rows like the linear layers and is not counted; fixed per-call costs do not 
 Timing: ``bench/common.py``'s ``benchmark``: on the CPU the shared and plain variants
 alternate call by call after a warm-up (``--rounds`` each, the median; shared machines drift),
 on CUDA each is timed by ``triton.testing.do_bench`` (median). Rows go to
-``prefix_sharing.jsonl`` (ops ``prefix_attention`` and ``prefix_step``; ratio = plain time /
-shared time), the tables to a markdown record (``--record``; default
+``prefix_sharing.jsonl`` (ops ``prefix_attention``, ``prefix_step`` and
+``prefix_trainer_step``; ratio = plain time / shared time), the tables to a markdown record (``--record``; default
 ``bench/results/prefix_sharing.md``, or ``OUT/prefix_sharing.md`` with ``--out``).
 
 Usage (from the repository root)::
@@ -59,6 +64,7 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import itertools
 import math
@@ -482,21 +488,21 @@ def rollouts(job: MainJob, tasks: int, samples: int, seed: int) -> list:
 
 
 def mini_batches(trajectories: list, order: str, count: int, seed: int) -> list[list[int]]:
-    """The step's first epoch's mini-batches of sub-trace numbers (the sub-traces in rollout
-    order): ``count`` groups of a seeded shuffle of the rollouts (``"shuffle"``) or of the
-    tasks, a task's rollouts kept together (``"task"``)."""
+    """The first epoch's mini-batches of sub-trace numbers (the sub-traces in rollout order) of
+    a run's first step (``seed``: ``train.seed``), as the trainer draws them
+    (``train.update.mini_batches``): ``count`` groups of a seeded shuffle of the rollouts
+    (``"shuffle"``) or of the tasks, a task's rollouts kept together (``"task"``)."""
     from agentrl_fast.seeds import derive_seed
 
-    numbers, units, first = [], {}, 0
+    units, first = {}, 0
     for trajectory in trajectories:
         members = list(range(first, first + len(trajectory.sub_traces)))
         first += len(members)
         key = trajectory.task_id if order == "task" else trajectory.rollout_id
         units.setdefault(key, []).extend(members)
-        numbers.append(members)
     groups = list(units.values())
     shuffled = torch.randperm(len(groups), generator=torch.Generator().manual_seed(
-        derive_seed(seed, "minibatch", 1, 0))).tolist()
+        derive_seed(seed, "minibatch", 0, 0))).tolist()
     size = math.ceil(len(groups) / count)
     return [sorted(i for g in shuffled[k:k + size] for i in groups[g])
             for k in range(0, len(groups), size)]
@@ -546,7 +552,7 @@ def model_shape(policy: torch.nn.Module) -> ModelShape:
 
 @dataclass
 class StepFlops:
-    """FLOPs of a step's forward + backward (policy and critic), plain and shared."""
+    """FLOPs of a step's passes, plain and shared."""
     attention_plain: float = 0.0
     attention_shared: float = 0.0
     linear_plain: float = 0.0
@@ -555,26 +561,35 @@ class StepFlops:
     rows: int = 0
     trie_saved: int = 0
 
-    def add(self, packed, shape: ModelShape, shareable: list[int]) -> None:
-        """One micro-batch (a ``PackedBatch`` with its ``shared`` layout)."""
+    def add(self, packed, shape: ModelShape, shareable: list[int], policy: bool = True,
+            backward: bool = True) -> None:
+        """One micro-batch (a ``PackedBatch`` with its ``shared`` layout) through the critic
+        and, with ``policy``, the policy (the LM head on the action rows only), forward and,
+        with ``backward``, backward."""
         layout = packed.shared
+        models = 2 if policy else 1
         plain = plain_pairs(packed.cu_seqlens.tolist())
         shared = shared_pairs(layout.cu_seqlens.tolist(), layout.prefix_of.tolist())
-        per_pair = 2 * shape.layers * attention_flops(1, shape.heads_q, shape.head_dim)
-        self.attention_plain += per_pair * plain  # 2: the policy and the critic
+        per_pair = models * shape.layers * attention_flops(
+            1, shape.heads_q, shape.head_dim, FWD_BWD if backward else 1.0)
+        self.attention_plain += per_pair * plain
         self.attention_shared += per_pair * shared
-        head_rows = int(packed.action_mask.sum())  # the LM head runs on the action rows only
+        head = shape.hidden * shape.vocab * int(packed.action_mask.sum()) if policy else 0
+        passes = MATRIX_PASSES if backward else 1
         for rows, field in ((packed.num_tokens, "linear_plain"),
                             (layout.input_ids.shape[1], "linear_shared")):
-            flops = 2 * MATRIX_PASSES * (2 * shape.backbone_linear * rows
-                                         + shape.hidden * shape.vocab * head_rows
-                                         + shape.hidden * rows)  # the critic's scalar head
+            flops = 2 * passes * (models * shape.backbone_linear * rows + head
+                                  + shape.hidden * rows)  # the critic's scalar head
             setattr(self, field, getattr(self, field) + flops)
         self.tokens += packed.num_tokens
         self.rows += layout.input_ids.shape[1]
         ids = packed.input_ids[0].tolist()
         bounds = packed.cu_seqlens.tolist()
         self.trie_saved += trie_saved([ids[a:a + n] for a, n in zip(bounds[:-1], shareable)])
+
+    def plus(self, other: StepFlops) -> StepFlops:
+        return StepFlops(*(getattr(self, f.name) + getattr(other, f.name)
+                           for f in dataclasses.fields(self)))
 
     def ideal(self, part: str) -> float:
         if part == "combined":
@@ -715,6 +730,99 @@ def profile_step(calls: dict[str, Callable[[], None]]) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
+# ---------------------------------------------------------------------------------------------
+# Part 3: the trainer's own step, train.share_prefixes on and off.
+
+
+@dataclass
+class TrainerResult(Compared):
+    order: str = ""
+    tasks: int = 0
+    samples: int = 0
+    scoring: StepFlops = None  # the critic's scoring forward over the step's micro-batches
+    update: StepFlops = None  # the updates' forward + backward (the step's ``StepFlops``)
+    metrics: dict = None  # the sharing trainer's metrics of its last call
+    same_as: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.tasks}x{self.samples} {self.order}"
+
+    @property
+    def ideal(self) -> float:
+        return self.scoring.plus(self.update).ideal("combined")
+
+
+def scoring_flops(job: MainJob, trajectories: list, order: str, shape: ModelShape) -> StepFlops:
+    """The critic's scoring forward (the policy does not score in the default synchronous run)
+    over the trainer's scoring micro-batches (``StepContext.plan`` of every sub-trace)."""
+    from agentrl_fast.train.context import StepContext
+    from agentrl_fast.train.packing import pack_sub_traces
+    from agentrl_fast.train.step_batch import StepBatch
+
+    batch = StepBatch.of(trajectories)
+    config = dataclasses.replace(job.config.train, mini_batch_order=order)
+    context = StepContext(config, torch.device("cpu"), 1.0, 0.0, 0, share_prefixes=True)
+    flops = StepFlops()
+    for group in context.plan(batch, range(batch.num_sequences)):
+        packed = pack_sub_traces(batch.sub_traces, group, share_prefixes=True)
+        flops.add(packed, shape, [_shareable(batch.sub_traces[i]) for i in group], policy=False,
+                  backward=False)
+    return flops
+
+
+def trainer_scenario(job: MainJob, trajectories: list, step: StepResult, mini_batches: int,
+                     device: torch.device, args) -> TrainerResult:
+    """``Trainer.train_on`` of the step's rollouts (scoring, advantages, the updates with their
+    optimizer steps, the generator's weights refreshed) by two trainers of the same policy, with
+    ``train.share_prefixes`` on and off, each call the run's first step (the same
+    mini-batches)."""
+    from agentrl_fast.train.ppo import Trainer
+
+    train = job.config.train
+    config = dataclasses.replace(
+        train, tasks_per_step=step.tasks, mini_batch_order=step.order, mini_batches=mini_batches,
+        checkpoint_every=0, checkpoint_dir=None,
+        rollout=dataclasses.replace(train.rollout, samples_per_task=step.samples))
+    notes: list[str] = []
+    trainers = {name: Trainer(copy.deepcopy(job.policy), job.chat, job.environment,
+                              dataclasses.replace(config, share_prefixes=share), log=notes.append)
+                for name, share in (("shared", True), ("plain", False))}
+    metrics: dict[str, dict] = {}
+
+    def call(name: str) -> Callable[[], None]:
+        def run():
+            trainers[name].step_index = 0  # a fixed step batch: the same mini-batches each call
+            metrics[name] = trainers[name].train_on(trajectories)
+        return run
+
+    try:
+        times = paired_times({name: call(name) for name in trainers}, device, args.rounds,
+                             args.max_seconds)
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+    if "shared_token_fraction" not in metrics["shared"]:
+        raise RuntimeError(f"the trainer with share_prefixes=True did not share: {notes}")
+    return TrainerResult(times["plain"], times["shared"], step.order, step.tasks, step.samples,
+                         scoring_flops(job, trajectories, step.order, model_shape(job.policy)),
+                         step.flops, metrics["shared"])
+
+
+def trainer_rows(results: list[TrainerResult], device: torch.device) -> list[common.Row]:
+    rows = []
+    for r in results:
+        shape = (f"main job {r.name}: Trainer.train_on, share_prefixes on / off, "
+                 f"T={r.update.tokens}")
+        for shared in (True, False):
+            ms = (r.shared if shared else r.plain).wall_ms
+            rows.append(common.Row(
+                op="prefix_trainer_step", provider="shared" if shared else "plain", shape=shape,
+                dtype="float32", device=common.device_name(device), time_ms=ms,
+                tokens_per_s=r.update.tokens / (ms * 1e-3), ratio=ms / r.shared.wall_ms))
+    return rows
+
+
 def step_rows(results: list[StepResult], device: torch.device) -> list[common.Row]:
     rows = []
     for r in results:
@@ -790,11 +898,35 @@ def step_table(results: list[StepResult]) -> list[str]:
     return lines
 
 
+def trainer_table(results: list[TrainerResult]) -> list[str]:
+    head = ("| step | shared-token fraction: updates / scoring (the trainer's metrics) | ideal "
+            "(scoring + updates) | plain ms | shared ms | speed-up | % of ideal "
+            "| saving reached |")
+    lines = [head, _rule(head)]
+    for r in results:
+        name = f"{r.name} (= {r.same_as})" if r.same_as else r.name
+        m = r.metrics
+        lines.append(f"| {name} | {m['shared_token_fraction']:.1%} / "
+                     f"{m.get('scoring_shared_token_fraction', 0.0):.1%} | {r.ideal:.2f}x | "
+                     f"{r.plain.wall_ms:.1f} | {r.shared.wall_ms:.1f} | "
+                     f"{_versus_ideal(r, r.ideal)} |")
+    return lines
+
+
 TITLE = ("# Prefix-shared (tree) packing against the plain packing: the attention op and the "
          "main job's training step")
 OP_HEADING = ("## The op: varlen_attention forward + backward, the shared layout against the "
               "plain packing of the same sequences")
 STEP_HEADING = "## A training step of the main job: policy and critic forward + backward"
+TRAINER_HEADING = "## The trainer's step: `Trainer.train_on`, `train.share_prefixes` on and off"
+TRAINER_NOTE = (
+    "`Trainer.train_on` of the same rollouts by two trainers of the same policy, "
+    "`train.share_prefixes` on and off (`train.mini_batch_order` as named), each call the run's "
+    "first step (the same mini-batches): the critic's scoring (forward, the whole step in "
+    "micro-batches of `micro_batch_tokens`), GAE, the updates above with their optimizer steps "
+    "and gradient clipping, the generator's weights refreshed. Ideal: the FLOP model over the "
+    "scoring forward and the updates; optimizer steps, GAE and the weight copy are fixed costs "
+    "outside it.")
 OP_NOTE = (
     "Ideal = plain (query, key) pairs / shared pairs (forward 4 D Hq FLOPs per pair, backward "
     "2.5x); % of ideal = speed-up / ideal; saving reached = (1 - 1/speed-up) / (1 - 1/ideal), "
@@ -827,6 +959,7 @@ class Report:
         self.device, self.args = device, args
         self.ops: list[OpResult] = []
         self.steps: list[StepResult] = []
+        self.trainers: list[TrainerResult] = []
         self.rates: dict[str, float] = {}
         self.shape: ModelShape | None = None  # the main job's policy, once built
         self.micro_batch_tokens = 0
@@ -857,6 +990,8 @@ class Report:
                                     budget=self.micro_batch_tokens, layers=s.layers,
                                     linear=s.backbone_linear, hidden=s.hidden, vocab=s.vocab)
             lines += ["", STEP_HEADING, "", note, "", *step_table(self.steps)]
+        if self.trainers:
+            lines += ["", TRAINER_HEADING, "", TRAINER_NOTE, "", *trainer_table(self.trainers)]
         return "\n".join(lines) + "\n"
 
     @property
@@ -902,7 +1037,7 @@ def run_main_job_ops(report: Report, job: MainJob, found: Rollouts, sizes: Sizes
         trajectories = found(tasks, samples)
         sub_traces = [s for t in trajectories for s in t.sub_traces]
         plan = step_plan(trajectories, order, sizes.mini_batches, report.micro_batch_tokens,
-                         report.args.seed)
+                         job.config.train.seed)
         packed = pack_step(sub_traces, plan[:1], True)[0]
         layouts = packed_layouts(f"main job {tasks}x{samples} {order}, first micro-batch", packed)
         results = run_op(layouts, heads, shape.head_dim, torch.float32, backends, report.device,
@@ -913,29 +1048,52 @@ def run_main_job_ops(report: Report, job: MainJob, found: Rollouts, sizes: Sizes
 
 def run_steps(report: Report, job: MainJob, found: Rollouts, sizes: Sizes,
               budget: Budget) -> None:
-    timed: dict[str, StepResult] = {}
+    """Each step scenario at the model level, then through the trainer (the same micro-batches
+    timed once: at one sample per task the orders agree)."""
+    timed: dict[str, tuple[StepResult, TrainerResult | None]] = {}
     for order, tasks, samples in sizes.step_scenarios:
         if budget.spent():
             print(f"note: time budget spent; skipped the step {tasks}x{samples} {order}")
             continue
         trajectories = found(tasks, samples)
         plan = step_plan(trajectories, order, sizes.mini_batches, report.micro_batch_tokens,
-                         report.args.seed)
+                         job.config.train.seed)
         key = f"{tasks}x{samples} {plan}"
-        if key in timed:  # one sample per task: grouping by task changes nothing
-            result = dataclasses.replace(timed[key], order=order, same_as=timed[key].name)
+        if key in timed:
+            step, trainer = (dataclasses.replace(r, order=order, same_as=r.name) if r else None
+                             for r in timed[key])
         else:
-            result = timed[key] = step_scenario(job, trajectories, (order, tasks, samples),
-                                                plan, report.device, report.args)
-        ideal = result.flops.ideal("combined")
-        print(f"step {result.name}: plain {result.plain.wall_ms:.1f} ms, shared "
-              f"{result.shared.wall_ms:.1f} ms, speed-up {result.speedup:.2f}x of ideal "
-              f"{ideal:.2f}x ({result.speedup / ideal:.0%}); shared-token fraction "
-              f"{result.flops.shared_fraction:.1%}"
-              + (f" (the micro-batches of {result.same_as})" if result.same_as else ""),
-              flush=True)
-        report.steps.append(result)
-        report.add([] if result.same_as else step_rows([result], report.device))
+            step = step_scenario(job, trajectories, (order, tasks, samples), plan, report.device,
+                                 report.args)
+            trainer = None if budget.spent() else trainer_scenario(
+                job, trajectories, step, sizes.mini_batches, report.device, report.args)
+            timed[key] = (step, trainer)
+        print_step(step, trainer)
+        report.steps.append(step)
+        if trainer is not None:
+            report.trainers.append(trainer)
+        if not step.same_as:
+            report.add(step_rows([step], report.device)
+                       + (trainer_rows([trainer], report.device) if trainer else []))
+        else:
+            report.add([])
+
+
+def print_step(step: StepResult, trainer: TrainerResult | None) -> None:
+    ideal = step.flops.ideal("combined")
+    print(f"step {step.name}: plain {step.plain.wall_ms:.1f} ms, shared {step.shared.wall_ms:.1f} "
+          f"ms, speed-up {step.speedup:.2f}x of ideal {ideal:.2f}x ({step.speedup / ideal:.0%}); "
+          f"shared-token fraction {step.flops.shared_fraction:.1%}"
+          + (f" (the micro-batches of {step.same_as})" if step.same_as else ""), flush=True)
+    if trainer is not None:
+        fraction = trainer.metrics["shared_token_fraction"]
+        print(f"  Trainer.train_on: plain {trainer.plain.wall_ms:.1f} ms, shared "
+              f"{trainer.shared.wall_ms:.1f} ms, speed-up {trainer.speedup:.2f}x of ideal "
+              f"{trainer.ideal:.2f}x ({trainer.speedup / trainer.ideal:.0%}); its "
+              f"shared_token_fraction {fraction:.1%}", flush=True)
+        if abs(fraction - step.flops.shared_fraction) > 1e-9:
+            print(f"  note: the trainer's update micro-batches differ from the emulated ones "
+                  f"({fraction:.4f} shared, here {step.flops.shared_fraction:.4f})", flush=True)
 
 
 def run(args) -> list[str]:

@@ -1,5 +1,5 @@
 """bench/bench_prefix_sharing.py: its FLOP model counts what the layouts attend, and the script
-runs end to end at tiny sizes (both tables, rows of both ops)."""
+runs end to end at tiny sizes (its three tables, rows of each part)."""
 
 import json
 import subprocess
@@ -54,11 +54,12 @@ def test_the_benchmark_runs_end_to_end_on_tiny_sizes(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "prefix_sharing.jsonl").read_text()
             .splitlines()]
-    assert {r["op"] for r in rows} == {"prefix_attention", "prefix_step"}
+    assert {r["op"] for r in rows} == {"prefix_attention", "prefix_step", "prefix_trainer_step"}
     assert {"native shared", "native plain", "native+generic shared"} <= {r["provider"]
                                                                           for r in rows}
     assert all(r["time_ms"] > 0 and r["ratio"] > 0 for r in rows)
     record = (tmp_path / "prefix_sharing.md").read_text()
     assert record.startswith("# Prefix-shared (tree) packing") and "Command: `" in record
     assert "| 2x2 task | 1 |" in record and "| 4x1 shuffle | 1 |" in record
+    assert "## The trainer's step" in record and record.count("| 2x2 task |") == 2
     assert "prompt 256 + 4 x 64" in record and "main job 2x2 task" in record
