@@ -173,7 +173,7 @@ gpu_tests() {
   # One pytest per file, the kernels' files first (-rA names every test and failure; a crash
   # that takes the CUDA context down loses one file), while the stage's time lasts.
   local rc=0 file start=$(date +%s) result files
-  files=$(ls tests/test_{varlen_attention,ppo_loss,token_logprobs,gae}.py; grep -l "mark.gpu" tests/test_*.py)
+  files=$(ls tests/test_{varlen_attention,varlen_attention_prefix,ppo_loss,token_logprobs,gae}.py; grep -l "mark.gpu" tests/test_*.py)
   files=$(echo "$files" | awk '!seen[$0]++')
   if [ "$DEVICE" = cpu ]; then files=$(echo $files); fi  # the dry run: one pytest for all
   while read -r file; do

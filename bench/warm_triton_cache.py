@@ -28,6 +28,8 @@ JOBS = (
        for dtype in ("bfloat16", "float32") for linear in (False, True)]
     + [("bench_ppo_loss", dtype, {}) for dtype in ("bfloat16", "float32")]
     + [("test_varlen_attention", "-", {"case": index}) for index in range(14)]
+    + [("bench_prefix_sharing", "bfloat16", {"head_dim": d}) for d in (128, 64)]
+    + [("test_varlen_attention_prefix", "-", {"case": index}) for index in range(4)]
 )
 
 
@@ -68,9 +70,39 @@ def _attention_test_case(device, dtype, options):
     varlen_attention(q, k, v, cu, max_seqlen, causal=causal, backend=backend).sum().backward()
 
 
+def _prefix_launch(q, k, v, cu, prefix_of, max_seqlen, device):
+    from agentrl_fast.ops.varlen_attention import varlen_attention
+
+    backend = "triton" if device.type == "cuda" else "auto"
+    varlen_attention(q, k, v, cu, max_seqlen, prefix_of=prefix_of,
+                     backend=backend).float().sum().backward()
+
+
+def _prefix_bench(device, dtype, options):
+    # the long-prompt layout of bench/bench_prefix_sharing.py (prompt, suffixes of one length)
+    import bench_prefix_sharing as b
+
+    sizes = b.SIZES["cuda" if device.type == "cuda" else "tiny"]
+    head_dim = options["head_dim"] if device.type == "cuda" else sizes.long_head_dims[0]
+    inputs = b.op_inputs(b.long_prompt_layouts(*sizes.long_prompt), sizes.long_heads, head_dim,
+                         dtype, device, 0)
+    _prefix_launch(*inputs.shared, inputs.shared_cu, inputs.prefix_of, inputs.shared_max, device)
+
+
+def _prefix_test_case(device, dtype, options):
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_varlen_attention_prefix as t
+
+    layout_name, dtype, gqa = t.GPU_CASES[options["case"]]
+    q, k, v, cu, prefix_of, max_seqlen, _ = t.make_case(t.LAYOUTS[layout_name], *gqa, dtype,
+                                                        seed=50, device=device)
+    _prefix_launch(q, k, v, cu, prefix_of, max_seqlen, device)
+
+
 RUNNERS = {"bench_varlen_attention": _attention_bench,
            "bench_token_logprobs": _token_logprobs_bench, "bench_ppo_loss": _ppo_loss_bench,
-           "test_varlen_attention": _attention_test_case}
+           "test_varlen_attention": _attention_test_case, "bench_prefix_sharing": _prefix_bench,
+           "test_varlen_attention_prefix": _prefix_test_case}
 
 
 def run_job(job: tuple, device_name: str) -> str:

@@ -20,6 +20,7 @@ from agentrl_fast.models.packing import (SharedLayout, pack, pack_shared,
                                          position_ids_from_cu_seqlens)
 from agentrl_fast.models.policy import policy_logprobs
 from agentrl_fast.models.tiny import tiny_qwen3
+from agentrl_fast.ops.varlen_attention import BACKENDS
 from agentrl_fast.train.packing import pack_sub_traces
 
 attention_module = importlib.import_module("agentrl_fast.models.attention")
@@ -224,10 +225,16 @@ def _assert_close(got, want, what, rtol=1e-4):
     return _max_diff(got, want)
 
 
+class _Calls(list):
+    """The prefix_of of each attention call, and the backend's name."""
+    name: str
+
+
 @pytest.fixture
 def backend(request, monkeypatch):
     """Run the models' attention on ``request.param``; record its prefix_of calls."""
-    calls = []
+    calls = _Calls()
+    calls.name = request.param
     real = attention_module.varlen_attention
 
     def op(*args, **kwargs):
@@ -291,6 +298,31 @@ def test_policy_logprobs_entropy_and_gradients_match(backend, fused):
             assert bool((got[0][~mask] == 0).all())
     print(f"\npolicy, max |shared - plain|: {worst}, saved {batch.shared.saved_tokens} of "
           f"{batch.num_tokens} tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
+def test_cuda_policy_logprobs_and_gradients_match(backend):
+    """On CUDA in float32 (the Triton kernels' ieee dots; torch's varlen kernels under the
+    generic path): shared == plain log-probs, entropies and gradients."""
+    reason = BACKENDS[backend.name].unavailable(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"backend {backend.name!r} unavailable: {reason}")
+    policy = _policy(fused=False).cuda()
+    batch = pack_sub_traces(sub_traces(), share_prefixes=True).to("cuda")
+    inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+    weights = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(0)).cuda()
+    got = policy_logprobs(policy, *inputs, temperature=0.8, return_entropy=True,
+                          layout=batch.shared)
+    assert backend and all(p is not None for p in backend)  # the prefix-shared op ran
+    want = policy_logprobs(policy, *inputs, temperature=0.8, return_entropy=True)
+    rtol = 2e-4 if backend.name == "triton" else 2e-3  # (torch's kernels may run in tf32)
+    for name, g, w in zip(("logp", "entropy"), got, want):
+        _assert_close(g, w, name, rtol=rtol)
+    losses = [((out[0] + 0.1 * out[1]) * weights).sum() for out in (got, want)]
+    for g, w in zip(_grads(losses[0], policy), _grads(losses[1], policy)):
+        if w is not None:
+            _assert_close(g, w, "policy gradient", rtol=10 * rtol)
 
 
 @pytest.mark.parametrize("backend", ["native", "reference"], indirect=True)
