@@ -29,6 +29,7 @@ from agentrl_fast.config import RolloutConfig, SamplingParams
 from agentrl_fast.envs import VaultEnvironment, build_tokenizer
 from agentrl_fast.generators.scripted import ScriptedGenerator
 from agentrl_fast.harness import ChatFormat
+from agentrl_fast.harness.tool_calls import parse_tool_calls
 from agentrl_fast.train import verifiers_driver as vf_driver
 from agentrl_fast.models.tiny import tiny_qwen3
 from agentrl_fast.proxy import Proxy, ProxyServer
@@ -64,14 +65,20 @@ def trainer_for(world, algo: str) -> Trainer:
                    log=lambda *a: None)
 
 
-def final_reply(chat: ChatFormat, sub_trace) -> str:
-    """The text of the last turn's sampled tokens (the final run of action tokens), as the
-    harness read it: without the end-of-turn token, malformed tool-call tags kept."""
+def final_ids(sub_trace) -> list[int]:
+    """The last turn's sampled tokens: the final run of action tokens (the template's turn
+    end, ``\\n`` or ``<|im_end|>\\n``, follows them as context)."""
     end = len(sub_trace.action_mask) - sub_trace.action_mask[::-1].index(1)
     start = end
     while start > 0 and sub_trace.action_mask[start - 1]:
         start -= 1
-    ids = sub_trace.ids[start:end]
+    return sub_trace.ids[start:end]
+
+
+def final_reply(chat: ChatFormat, sub_trace) -> str:
+    """The text of the last turn's sampled tokens, as the harness read it: without the
+    end-of-turn token, malformed tool-call tags kept."""
+    ids = final_ids(sub_trace)
     if ids[-1] == chat.im_end_id:
         ids = ids[:-1]
     return chat.tokenizer.decode(ids).strip()
@@ -100,9 +107,16 @@ def test_verifiers_rollouts_carry_the_rubric_reward_and_train_ppo(python, world)
         assert "What is the code of vault" in prompt
         assert '"name": "lookup"' in prompt  # the Toolset's tool, advertised through MCP
         reply = final_reply(chat, t.sub_traces[-1])
-        # verifiers' verdict: a reply cut at max_new_tokens truncates (the critic bootstraps).
-        ended = t.sub_traces[-1].ids[-1] == chat.im_end_id
-        assert t.sub_traces[-1].end == ("terminal" if ended else "truncated")
+        # verifiers' verdict (Trace.is_truncated): the episode is cut, and the critic
+        # bootstraps, when the final reply ran out of max_new_tokens (its last sampled token is
+        # no stop token: finish_reason "length") or the episode ran out of turns (the third
+        # reply's tool calls ran and the fourth turn was refused: max_turns). A reply that
+        # stopped on <|im_end|> or </tool_call> without a call is the episode's end: terminal.
+        last, calls = final_ids(t.sub_traces[-1])[-1], parse_tool_calls(reply)
+        cut = (last not in chat.stop_ids
+               or (t.metrics["turns"] == 3 and any(call.ok for call in calls)))
+        assert t.sub_traces[-1].end == ("truncated" if cut else "terminal"), (
+            t.metrics, chat.tokenizer.decode(final_ids(t.sub_traces[-1])))
         assert t.reward == pytest.approx(expected_reward(reply, CODES[t.task_id]), abs=1e-6)
     assert len({t.reward for t in trajectories[:2]}) == 2  # a group GRPO can learn from
     before = copy.deepcopy(trainer.policy.state_dict())
