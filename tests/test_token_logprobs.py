@@ -458,7 +458,7 @@ def test_cuda_triton_matches_cpu_path(dtype, vocab):
     logits, labels = make_case(64, vocab, dtype, seed=15)
     results = []
     for device in ("cpu", "cuda"):
-        x = logits.to(device).requires_grad_()
+        x = logits.detach().to(device).requires_grad_()  # a leaf on each device
         logp, entropy = token_logprobs(x, labels.to(device), temperature=0.9, return_entropy=True,
                                        backend="torch" if device == "cpu" else "triton")
         g_lp, g_h = (g.to(device) for g in upstream(64, 15))
@@ -480,7 +480,7 @@ def test_cuda_linear_matches_cpu_path():
     hidden, weight, labels = make_linear(300, 64, 5000, torch.float32, seed=16)
     grads = []
     for device, backend in (("cpu", "torch"), ("cuda", "triton")):
-        h, w = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
+        h, w = (x.detach().to(device).requires_grad_() for x in (hidden, weight))
         logp, entropy = linear_token_logprobs(h, w, labels.to(device), return_entropy=True,
                                               chunk_size=128, backend=backend)
         (logp.sum() + 0.1 * entropy.sum()).backward()

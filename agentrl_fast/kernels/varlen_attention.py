@@ -50,6 +50,9 @@ LN2 = tl.constexpr(0.6931471805599453)
 # same products (exact in float32) accumulated in float32, as the MMA does. TRITON_INTERPRET is
 # read when kernels are defined, as triton itself does.
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# PROBE ONLY (bench/attention_backward_probe.py): the atomic dq as dS K ([STEP, HEAD_DIM], rows
+# of dq) instead of (K^T dS^T) ([HEAD_DIM, STEP]).
+DQ_ROWS = tl.constexpr(os.environ.get("AGENTRL_FAST_PROBE_DQ_ROWS") == "1")
 
 DTYPES = ("bf16", "fp16", "fp32")
 PADDED_HEAD_DIMS = (32, 64, 128, 256)
@@ -311,7 +314,15 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, offs_ste
     dp_t = _dot(v, tl.trans(do), IEEE)
     ds_t = p_t * (dp_t - delta[None, :])
     dk += _dot(ds_t.to(q.dtype), q, IEEE)
-    if ATOMIC_DQ:  # relaxed: a reduction needs no ordering (RED, no fences)
+    if ATOMIC_DQ and DQ_ROWS:
+        dq_r = _dot(tl.trans(ds_t).to(k.dtype), k, IEEE)                        # [STEP, HEAD_DIM]
+        ptrs = dq_base + rows_m[:, None].to(tl.int64) * stride_dqt + offs_d[None, :]
+        if EVEN_D:
+            tl.atomic_add(ptrs, dq_r, mask=m_valid[:, None], sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, dq_r, mask=m_valid[:, None] & (offs_d < head_dim)[None, :],
+                          sem="relaxed")
+    elif ATOMIC_DQ:  # relaxed: a reduction needs no ordering (RED, no fences)
         # dq^T = k^T ds^T: M = HEAD_DIM, so the product stays on wgmma when STEP < 64 (dS K with
         # M = STEP = 32 took mma.sync at D 128); the atomics are still 4-wide along D.
         dq_t = _dot(tl.trans(k), ds_t.to(k.dtype), IEEE)                        # [HEAD_DIM, STEP]

@@ -29,9 +29,22 @@ def _flash_kernel_unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
         return f"its flash kernels take float16/bfloat16 only, got {q.dtype}"
     if q.shape[2] % 8 != 0:
         return f"its flash kernels need head_dim % 8 == 0, got {q.shape[2]}"
-    if q.shape[0] == 0:
-        return "its flash kernels need at least one token"
     return None
+
+
+# The flash kernels reject T = 0 (no token to attend from or to); these are the results there.
+
+def _no_tokens_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_lse: bool):
+    """``(out[0, Hq, D], lse[Hq, 0] | None)`` of an empty batch, ``out`` still a function of
+    q, k, v so their (empty) gradients exist as for every other backend."""
+    out = q * 0 + (k.sum() + v.sum()) * 0
+    return out, (q.new_zeros((q.shape[1], 0), dtype=torch.float32) if need_lse else None)
+
+
+def _no_tokens_forward(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A raw pass with no query or no key row: ``out`` zeros, ``lse`` -inf (it sees no key)."""
+    return (q.new_zeros(q.shape),
+            torch.full((q.shape[1], q.shape[0]), -torch.inf, device=q.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,6 +70,9 @@ def _torch_unavailable(device: torch.device) -> str | None:
 
 def _torch_run(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic, need_lse):
     from torch.nn.attention import varlen
+
+    if q.shape[0] == 0:
+        return _no_tokens_run(q, k, v, need_lse)
 
     params = _torch_varlen_parameters()
     kwargs = {"scale": scale}
@@ -90,6 +106,8 @@ def _torch_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dete
     """torch's flash kernel with separate query and key bounds (``aten::_flash_attention_forward``,
     what ``varlen_attn`` runs; called directly so the LSE format is always flash's, never
     cuDNN's): ``(out[Tq, Hq, D], lse[Hq, Tq] float32)``. GQA is native to the kernel."""
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return _no_tokens_forward(q, k)
     kwargs = {"scale": scale}
     if deterministic and "num_splits" in _aten_parameters("_flash_attention_forward"):
         kwargs["num_splits"] = 1
@@ -103,6 +121,8 @@ def _torch_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ca
                            deterministic):
     """``aten::_flash_attention_backward`` with separate bounds: ``(dq, dk, dv)``. Its kernel
     is deterministic under ``torch.use_deterministic_algorithms(True)``."""
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     # No dropout: the RNG state is not read (torch's varlen_attn passes zeros as well).
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
@@ -138,6 +158,8 @@ def _flash_attn_unavailable(device: torch.device) -> str | None:
 def _flash_attn_run(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic, need_lse):
     from flash_attn import flash_attn_varlen_func
 
+    if q.shape[0] == 0:
+        return _no_tokens_run(q, k, v, need_lse)
     result = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                     softmax_scale=scale, causal=causal, deterministic=deterministic,
                                     return_attn_probs=need_lse)
@@ -162,6 +184,8 @@ def _flash_attn_raw():
 def _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic):
     """``_flash_attn_varlen_forward`` (what ``flash_attn_varlen_func`` runs) with separate
     query and key bounds: ``(out[Tq, Hq, D], lse[Hq, Tq] float32)``; GQA native."""
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return _no_tokens_forward(q, k)
     forward, _ = _flash_attn_raw()
     result = forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k,
                      0.0, scale, causal, window_size_left=-1, window_size_right=-1,
@@ -173,6 +197,8 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_
                                 scale, deterministic):
     """``_flash_attn_varlen_backward`` with separate bounds: ``(dq, dk, dv)`` (it fills the
     buffers it is given; deterministic when asked)."""
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     _, backward = _flash_attn_raw()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

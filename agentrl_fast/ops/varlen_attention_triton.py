@@ -92,11 +92,26 @@ def _unavailable(device: torch.device) -> str | None:
     return None
 
 
+# The largest padded head dim whose backward a GPU has shown right. On an H200 (triton 3.6) the
+# backward at 128 and 256 (their launches of 8 warps) gave a wrong dq while 64 and below were
+# right (docs/experiments.md, "The first GPU run"): refused on a GPU when a gradient is needed,
+# so `auto` falls back to torch's flash kernels, until a GPU run shows a fix
+# (bench/attention_backward_probe.py). The forward alone is right there and stays.
+GPU_CHECKED_BACKWARD_HEAD_DIM = 64
+
+
 def _unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
     if q.dtype not in _DTYPE_NAMES:
         return f"dtype must be float16, bfloat16 or float32, got {q.dtype}"
     if q.shape[2] > MAX_HEAD_DIM:
         return f"head_dim must be <= {MAX_HEAD_DIM}, got {q.shape[2]}"
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k))
+    if (q.is_cuda and needs_grad
+            and kernels.padded_head_dim(q.shape[2]) > GPU_CHECKED_BACKWARD_HEAD_DIM):
+        return (f"its backward at head_dim {q.shape[2]} (above "
+                f"{GPU_CHECKED_BACKWARD_HEAD_DIM}) gave a wrong dq on an H200 and is disabled on "
+                "GPUs until fixed; use backend='torch' or 'flash_attn' to train at this head dim "
+                "(the forward alone, without gradients, still runs)")
     return None
 
 
