@@ -271,6 +271,20 @@ def test_config_checks_the_order():
     assert RunConfig().train.share_prefixes and RunConfig().train.mini_batch_order == "shuffle"
 
 
+def test_a_gpu_backend_without_prefix_kernels_trains_on_the_plain_packing(chat):
+    """On a GPU, shared prefixes through the generic merge path ran slower than the plain
+    packing: the trainer falls back there, and only there."""
+    from agentrl_fast.train.models import _training_backend, slow_prefix_reason
+
+    for backend in ("torch", "flash_attn", "reference"):
+        assert "slower than the plain packing" in slow_prefix_reason("policy", (backend, "cuda"))
+    assert slow_prefix_reason("policy", ("triton", "cuda")) is None  # its own prefix kernels
+    for backend in ("native", "cpu_flash", "reference"):  # the CPU's generic path pays
+        assert slow_prefix_reason("policy", (backend, "cpu")) is None
+    policy = policy_for(chat)
+    assert _training_backend(policy) == ("native", "cpu")
+
+
 # ---------------------------------------------------------------------------------------------
 # FSDP2 on 2 ranks (torchrun, gloo) with sharing = one process without.
 

@@ -14,6 +14,8 @@ from agentrl_fast.config.train import TrainConfig
 from agentrl_fast.models.attention import packed_attention_forward, use_packed_attention
 from agentrl_fast.models.critic import ValueHead, make_critic
 from agentrl_fast.models.wrappers import unwrap
+from agentrl_fast.ops._varlen_attention_prefix import generic_prefix_forward
+from agentrl_fast.ops.varlen_attention import BACKENDS, resolve_backend
 from agentrl_fast.train.distributed import World
 
 
@@ -43,7 +45,37 @@ def plain_packing_reason(models: Models) -> str | None:
             return (f"train.share_prefixes: the {name} runs attention {implementation!r}, which "
                     "would ignore shared prefixes; training on the plain packing (call "
                     "agentrl_fast.models.use_packed_attention on it to share)")
+        reason = slow_prefix_reason(name, _training_backend(unwrap(model)))
+        if reason is not None:
+            return reason
     return None
+
+
+def _training_backend(model: torch.nn.Module) -> tuple[str, str]:
+    """``(backend, device type)``: what ``varlen_attention``'s ``auto`` picks to train
+    ``model``'s attention (its dtype, heads and head dim, a gradient needed)."""
+    config = model.config
+    parameter = next(model.parameters())
+    heads_q = config.num_attention_heads
+    heads_k = getattr(config, "num_key_value_heads", None) or heads_q
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads_q
+    q, k = (torch.empty(1, heads, head_dim, dtype=parameter.dtype, device=parameter.device,
+                        requires_grad=True) for heads in (heads_q, heads_k))
+    return resolve_backend("auto", parameter.device, q, k), parameter.device.type
+
+
+def slow_prefix_reason(name: str, backend: tuple[str, str]) -> str | None:
+    """Why shared prefixes would train slower than the plain packing: on a GPU, a ``backend``
+    whose prefix-shared mode is the generic LSE-merge path (two passes and a merge) ran at 0.4x
+    the plain packing on an H200 (bench/results/gpu_2026-12-04/). None where it pays."""
+    backend_name, device_type = backend
+    forward = BACKENDS[backend_name].prefix_forward
+    generic = forward is None or getattr(forward, "func", None) is generic_prefix_forward
+    if device_type != "cuda" or not generic:
+        return None
+    return (f"train.share_prefixes: the {name}'s attention trains on backend {backend_name!r}, "
+            "whose prefix-shared mode (the generic merge of two passes) is slower than the "
+            "plain packing on a GPU; training on the plain packing")
 
 
 def check_world(config: TrainConfig, world: World | None) -> None:
