@@ -86,6 +86,8 @@ def test_train_end_to_end_leaves_a_complete_run_folder(tmp_path):
      "warmstart.demos: the expert solved none of 4 tasks"),
     (["--set", "warmstart.expert_read_probability=1.5"],
      "warmstart.expert_read_probability must be in [0, 1], got 1.5"),
+    (["--set", "warmstart.expert_careless_vaults=-0.1"],
+     "warmstart.expert_careless_vaults must be in [0, 1], got -0.1"),
     (["--set", "env.error_penalty=-0.5"], "env.error_penalty must be in [0, 1], got -0.5"),
     (["--set", "warmstart.target_success=0"],
      "warmstart.target_success must be in (0, 1] (or null), got 0"),

@@ -250,6 +250,28 @@ def test_a_careless_expert_loses_codes_and_submits_none(env, chat, careless):
         assert bool(retried) == (careless["retry_probability"] > 0)
 
 
+def test_a_habitual_expert_skips_saving_the_same_vault_names_in_every_task(env, chat):
+    """careless_vaults < 1: careless (here: never saves) about one share of vault names, the
+    same in every task, and saves every other vault's code."""
+    import functools
+    from agentrl_fast.envs.vault import VAULT_NAMES, _chooses
+    habit = {n for n in VAULT_NAMES if not _chooses(["x"], n, "save", 0.0, 0.3)}
+    assert 0 < len(habit) < len(VAULT_NAMES) / 2
+    expert = functools.partial(expert_action, save_probability=0.0, careless_vaults=0.3)
+    engine = RolloutEngine(ScriptedGenerator(expert, chat), chat, env,
+                           config(samples_per_task=1, context_budget=200, max_turns=30,
+                                  summary_chars=200))
+    trajectories = engine.run(env.tasks("train")[:60], seed=0)
+    texts = ["".join(chat.decode(s.ids) for s in t.sub_traces) for t in trajectories]
+    saved = {key for t in texts for key in re.findall(
+        r'"name": "memory_write", "arguments": \{"key": "(\w+)"', t)}
+    opened = {name for t in texts for name in re.findall(
+        r'"name": "open_vault", "arguments": \{"name": "(\w+)"', t)}
+    assert saved and not saved & habit  # never a habit vault's code
+    assert opened & habit and saved >= opened - habit, "every other code is saved"
+    assert 0.0 < rollout_metrics(trajectories)["success"] < 1.0
+
+
 class FlakyVaultEnvironment(VaultEnvironment):
     """Sample 0 of every task gets an extra tool that hangs past its timeout or raises; the
     expert calls it first. Other rollouts never see it."""

@@ -109,7 +109,9 @@ class WarmStartConfig:
     instead (no demonstrations, no supervised steps).
     ``expert_save_probability`` / ``expert_read_probability`` / ``expert_retry_probability``
     below 1 make the expert careless (``expert_action``: it skips saving or reading back some
-    codes, or gives up some jammed vaults)."""
+    codes, or gives up some jammed vaults), about every vault, or, with
+    ``expert_careless_vaults`` < 1, about that share of vault names only (the same names in
+    every task: a habit a policy can imitate, so its greedy decoding keeps it)."""
 
     demos: int = 2000
     steps: int = 800
@@ -127,6 +129,7 @@ class WarmStartConfig:
     expert_save_probability: float = 1.0
     expert_read_probability: float = 1.0
     expert_retry_probability: float = 1.0
+    expert_careless_vaults: float = 1.0
     source: str = "auto"
     """What the warm-start imitates: ``"expert"`` (the vault task's scripted expert, ``demos``
     rollouts), ``"data"`` (the conversations of ``data``), ``"none"`` (RL from the model as it
@@ -508,7 +511,7 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"warmstart.weight_decay must be >= 0, "
                           f"got {config.warmstart.weight_decay}")
     for name in ("expert_save_probability", "expert_read_probability",
-                 "expert_retry_probability"):
+                 "expert_retry_probability", "expert_careless_vaults"):
         if not 0.0 <= getattr(config.warmstart, name) <= 1.0:
             raise ConfigError(f"warmstart.{name} must be in [0, 1], "
                               f"got {getattr(config.warmstart, name)}")

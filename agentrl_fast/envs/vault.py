@@ -260,15 +260,21 @@ def _current_task_vaults(context: str) -> list[str]:
     return [v.strip() for v in matches[-1].split(",")] if matches else []
 
 
-def _chooses(vaults: Sequence[str], vault: str, what: str, probability: float) -> bool:
-    """The careless expert's fixed choice to do ``what`` for ``vault`` in this task."""
+def _chooses(vaults: Sequence[str], vault: str, what: str, probability: float,
+             careless_vaults: float = 1.0) -> bool:
+    """The careless expert's fixed choice to do ``what`` for ``vault`` in this task. Careless
+    only about a ``careless_vaults`` share of vault names (a habit tied to the name, which a
+    policy can imitate; 1: every vault), the choice per task drawn with ``probability``."""
     if probability >= 1.0:
+        return True
+    if careless_vaults < 1.0 and derive_seed(what, "habit", vault) / 2 ** 63 >= careless_vaults:
         return True
     return derive_seed(what, ",".join(vaults), vault) / 2 ** 63 < probability
 
 
 def expert_action(context: str, save_probability: float = 1.0,
-                  read_probability: float = 1.0, retry_probability: float = 1.0) -> str:
+                  read_probability: float = 1.0, retry_probability: float = 1.0,
+                  careless_vaults: float = 1.0) -> str:
     """The next assistant output for the vault task, read from the context text alone: save a
     code seen but not saved; open the next vault (again if it was jammed); once every vault is
     open, for each vault in the task's order read its code back and submit it (``none`` for a
@@ -279,7 +285,8 @@ def expert_action(context: str, save_probability: float = 1.0,
     ``read_probability`` < 1 reads each code back with that probability before submitting it
     (else it submits the code if it is still in view, ``none`` if not); ``retry_probability``
     < 1 opens a jammed vault again with that probability, else gives it up (moves on, submits
-    ``none`` for it)."""
+    ``none`` for it). ``careless_vaults`` < 1: careless about that share of vault names only
+    (the same names in every task), careful about the rest."""
     vaults = _current_task_vaults(context)
     known: dict[str, str] = {}
     saved: set[str] = set()
@@ -326,7 +333,7 @@ def expert_action(context: str, save_probability: float = 1.0,
     submitted.update(vaults[:max(done, default=-1) + 1])
     for vault in vaults:
         if vault in known and vault not in saved and vault not in submitted \
-                and _chooses(vaults, vault, "save", save_probability):
+                and _chooses(vaults, vault, "save", save_probability, careless_vaults):
             return _call_text("memory_write", {"key": vault, "value": known[vault]})
     # Vaults are opened in the task's order: one before a vault already seen was opened (its
     # code, if neither saved nor in view, is lost).
@@ -335,14 +342,15 @@ def expert_action(context: str, save_probability: float = 1.0,
     for i, vault in enumerate(vaults):
         if vault not in known and vault not in saved and vault not in emptied \
                 and vault not in submitted and not (tried and i < max(tried)):
-            if vault in jammed and not _chooses(vaults, vault, "retry", retry_probability):
+            if vault in jammed and not _chooses(vaults, vault, "retry", retry_probability,
+                                                careless_vaults):
                 continue  # given up: the next vault is opened, this code is lost
             return _call_text("open_vault", {"name": vault})
     for vault in vaults:
         if vault in submitted:
             continue
-        if last_read == vault or vault not in saved or not _chooses(vaults, vault, "read",
-                                                                     read_probability):
+        if last_read == vault or vault not in saved or not _chooses(
+                vaults, vault, "read", read_probability, careless_vaults):
             return _call_text("submit_code", {"vault": vault,
                                               "code": known.get(vault, LOST_CODE)})
         return _call_text("memory_read", {"key": vault})

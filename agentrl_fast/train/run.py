@@ -167,7 +167,9 @@ def expert_demonstrations(config: RunConfig, chat: ChatFormat, environment) -> l
                          read_probability=w.expert_read_probability,
                          retry_probability=w.expert_retry_probability)
     careless = any(p != 1.0 for p in probabilities.values())
-    demos = demonstrations(functools.partial(expert_action, **probabilities), chat, environment,
+    demos = demonstrations(functools.partial(expert_action, **probabilities,
+                                             careless_vaults=w.expert_careless_vaults),
+                           chat, environment,
                            environment.tasks("train")[:w.demos], config.train.rollout,
                            seed=config.seed, successful_only=not careless)
     if not demos:
