@@ -118,7 +118,7 @@ class WarmStartConfig:
     lr: float = 3e-3
     weight_decay: float = 0.0
     batch_sequences: int = 128
-    target_success: float | None = 0.6
+    target_success: float | None = 0.35
     check_every: int = 10
     check_tasks: int = 50
     confirm_checks: int = 2
@@ -126,10 +126,13 @@ class WarmStartConfig:
     fine_check_from: float = 0.2
     max_fine_steps: int | None = 200
     load: str | None = None
-    expert_save_probability: float = 1.0
+    # The main job's expert: careless about half the vault names (saves their codes in 30 % of
+    # tasks), so the greedy warm-start keeps the habit (held out 0.3-0.4) and RL does the rest
+    # (docs/experiments.md, "A habitual careless expert").
+    expert_save_probability: float = 0.3
     expert_read_probability: float = 1.0
     expert_retry_probability: float = 1.0
-    expert_careless_vaults: float = 1.0
+    expert_careless_vaults: float = 0.5
     source: str = "auto"
     """What the warm-start imitates: ``"expert"`` (the vault task's scripted expert, ``demos``
     rollouts), ``"data"`` (the conversations of ``data``), ``"none"`` (RL from the model as it

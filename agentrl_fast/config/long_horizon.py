@@ -55,6 +55,7 @@ def long_horizon_config(min_vaults: int = MIN_VAULTS, max_vaults: int = MAX_VAUL
         config, run_dir="runs/long_horizon",
         env=dataclasses.replace(config.env, min_vaults=min_vaults, max_vaults=max_vaults),
         warmstart=dataclasses.replace(config.warmstart,
-                                      expert_save_probability=expert_save_probability),
+                                      expert_save_probability=expert_save_probability,
+                                      expert_careless_vaults=1.0, target_success=0.6),
         train=dataclasses.replace(config.train,
                                   rollout=horizon_rollout(max_vaults)))
