@@ -71,10 +71,10 @@ def plan() -> tuple[list[tuple[str, int]], int, int]:
     return stages, int(total[1]), int(total[2])
 
 
-def test_the_stage_caps_sum_to_the_suite_budget_of_seven_minutes():
+def test_the_stage_caps_sum_to_the_suite_budget_of_nine_minutes():
     stages, total, budget = plan()
     assert sum(cap for _, cap in stages) == total == budget
-    assert budget <= 420
+    assert budget <= 540  # of a 15-minute lease: the machine's start and a stage's rerun
     assert all(cap >= 10 for _, cap in stages)
 
 
