@@ -172,7 +172,7 @@ def expert_demonstrations(config: RunConfig, chat: ChatFormat, environment) -> l
                            chat, environment,
                            environment.tasks("train")[:w.demos], config.train.rollout,
                            seed=config.seed, successful_only=not careless)
-    if not demos:
+    if not any(t.metrics["success"] for t in demos):  # (a careless one keeps its failures)
         raise ConfigError(f"warmstart.demos: the expert solved none of {w.demos} tasks within "
                           f"the train.rollout limits (max_turns={config.train.rollout.max_turns}, "
                           f"context_budget={config.train.rollout.context_budget}); raise them")
