@@ -7,7 +7,7 @@ engine as the warm-start collects its demonstrations (``train.sft.demonstrations
 Per horizon (every task has that many vaults; the rollout limits are ``horizon_rollout`` of it,
 the main job's at 3) and per expert: success rate, turns, sub-traces per rollout (mean,
 min-max, the distribution) and tokens, then the same for the variant itself
-(``long_horizon_config()``: 6-10 vaults), and for contrast some horizons in the main job's
+(``long_horizon_config()``), and for contrast some horizons in the main job's
 fixed context (186 tokens, 200 summary characters; limits that do not bind). No model, no GPU: seconds on a CPU.
 """
 
@@ -37,15 +37,18 @@ from agentrl_fast.train.sft import demonstrations  # noqa: E402
 HORIZONS = (3, 6, 10, 20, 30)
 
 
-def measure(config: RunConfig, save_probability: float, tasks: int, seed: int) -> dict:
+def measure(config: RunConfig, save_probability: float, tasks: int, seed: int,
+            careless_vaults: float = 1.0) -> dict:
     """The expert's rollouts on the first ``tasks`` train tasks of ``config``'s vault task,
-    with ``config``'s rollout limits, summarised."""
+    with ``config``'s rollout limits, summarised (careless about ``careless_vaults`` of the
+    vault names)."""
     e = config.env
     env = VaultEnvironment(min_vaults=e.min_vaults, max_vaults=e.max_vaults,
                            jam_probability=e.jam_probability, train_size=tasks, eval_size=1)
     chat = ChatFormat(build_tokenizer(env.corpus(), vocab_size=config.model.vocab_size,
                                       words=env.words()))  # as the run builds it
-    policy = functools.partial(expert_action, save_probability=save_probability)
+    policy = functools.partial(expert_action, save_probability=save_probability,
+                               careless_vaults=careless_vaults)
     start = time.perf_counter()
     rollouts = demonstrations(policy, chat, env, env.tasks("train"), config.train.rollout,
                               seed=seed, successful_only=False)
@@ -90,24 +93,31 @@ def main(argv=None) -> int:
     parser.add_argument("--careless", type=float, default=long_horizon_config()
                         .warmstart.expert_save_probability,
                         help="the careless expert's save probability (default: the variant's)")
+    parser.add_argument("--careless-vaults", type=float, default=long_horizon_config()
+                        .warmstart.expert_careless_vaults,
+                        help="the share of vault names it is careless about (default: the "
+                             "variant's)")
     parser.add_argument("--fixed", type=int, nargs="*", default=[10, 20],
                         help="horizons also measured with the main job's fixed context")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the markdown record here")
     args = parser.parse_args(argv)
     assert horizon_rollout(3) == RunConfig().train.rollout, "the rule must keep the main job"
-    experts = (("perfect", 1.0), (f"careless (save {args.careless})", args.careless))
+    experts = (("perfect", 1.0, 1.0),
+               (f"careless (save {args.careless} for {args.careless_vaults} of the names)",
+                args.careless, args.careless_vaults))
     configs = [(f"{k} vaults", horizon_config(k)) for k in args.vaults]
     configs += [(f"{k} vaults, fixed context", horizon_config(k, fixed_context=True))
                 for k in args.fixed]
-    configs.append(("variant (6-10)", long_horizon_config()))
+    variant = long_horizon_config()
+    configs.append((f"variant ({variant.env.min_vaults}-{variant.env.max_vaults})", variant))
     lines = ["| tasks | context / summary chars / max turns | expert | success | turns "
              "(min-max) | sub-traces (min-max) | sub-traces: rollouts | tokens | s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, config in configs:
-        for expert, probability in experts:
+        for expert, probability, careless_vaults in experts:
             lines.append(row(label, config, expert, measure(config, probability, args.tasks,
-                                                            args.seed)))
+                                                            args.seed, careless_vaults)))
             print(lines[-1], flush=True)
     if args.out:
         write_record(args.out, "\n".join([

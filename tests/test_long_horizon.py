@@ -40,7 +40,7 @@ def test_the_yaml_is_the_preset_and_validates():
     config = load_config(ROOT / "configs" / "long_horizon.yaml")
     validate(config)
     assert dataclasses.replace(config, base_dir=None) == long_horizon_config()
-    assert (config.env.min_vaults, config.env.max_vaults) == (6, 10)
+    assert (config.env.min_vaults, config.env.max_vaults) == (4, 5)
     assert config.warmstart.expert_save_probability < 1
 
 

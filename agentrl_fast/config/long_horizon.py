@@ -24,8 +24,11 @@ TOKENS_PER_VAULT = 6  # the prompt's name and comma, the summary's key and its "
 SUMMARY_CHARS_PER_VAULT = 16  # "name, " in the key list and again in a "left:" list
 TURNS_PER_VAULT = 8  # the expert needs about 4.4 (open, save, read, submit, some jams)
 SUB_TRACES_PER_VAULT = 3  # the expert needs about 1.3 at this budget
-MIN_VAULTS, MAX_VAULTS = 6, 10
-EXPERT_SAVE_PROBABILITY = 0.9
+# 4-5 vaults: the main job's tiny model learns to copy the next vault's name for up to 5 in a
+# few hundred supervised steps, not for 6 in 800 (docs/experiments.md, issue 46).
+MIN_VAULTS, MAX_VAULTS = 4, 5
+EXPERT_SAVE_PROBABILITY = 0.3  # the main job's habit, about fewer names (it loses more codes
+EXPERT_CARELESS_VAULTS = 0.3   # over 4-5 vaults): the warm-start 0.40, RL to 0.95 (seed 5)
 
 
 def horizon_rollout(vaults: int) -> RolloutConfig:
@@ -46,16 +49,18 @@ def horizon_rollout(vaults: int) -> RolloutConfig:
 
 
 def long_horizon_config(min_vaults: int = MIN_VAULTS, max_vaults: int = MAX_VAULTS,
-                        expert_save_probability: float = EXPERT_SAVE_PROBABILITY) -> RunConfig:
+                        expert_save_probability: float = EXPERT_SAVE_PROBABILITY,
+                        expert_careless_vaults: float = EXPERT_CARELESS_VAULTS) -> RunConfig:
     """The main job on ``min_vaults``-``max_vaults``-vault tasks under :func:`horizon_rollout`
-    of ``max_vaults``, warm-started on an expert that saves each code with
-    ``expert_save_probability`` (its failures are imitated too)."""
+    of ``max_vaults``, warm-started on an expert careless about ``expert_careless_vaults`` of
+    the vault names, saving their codes with ``expert_save_probability`` (its failures are
+    imitated too)."""
     config = RunConfig()
     return dataclasses.replace(
         config, run_dir="runs/long_horizon",
         env=dataclasses.replace(config.env, min_vaults=min_vaults, max_vaults=max_vaults),
         warmstart=dataclasses.replace(config.warmstart,
                                       expert_save_probability=expert_save_probability,
-                                      expert_careless_vaults=1.0, target_success=0.6),
+                                      expert_careless_vaults=expert_careless_vaults),
         train=dataclasses.replace(config.train,
                                   rollout=horizon_rollout(max_vaults)))
