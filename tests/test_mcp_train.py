@@ -175,11 +175,15 @@ def test_no_server_outlives_a_sigkilled_trainer(tmp_path, template):  # noqa: F8
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                env={**os.environ, "TMPDIR": str(tmp_path)})
     servers: set[int] = set()
+    git: set[int] = set()
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and trainer.poll() is None:
             servers |= _children(trainer.pid)
-            if servers & set(processes_with("--repository")):  # a rollout's git server runs
+            git |= servers & set(processes_with("--repository"))
+            # tool discovery starts the shared memory server beside a git probe (either may come
+            # first); a second git server is a rollout's
+            if len(git) >= 2 and servers & set(processes_with(memory_server())):
                 break
             time.sleep(0.05)
         assert trainer.poll() is None, trainer.stderr.read()[-2000:]
@@ -187,7 +191,7 @@ def test_no_server_outlives_a_sigkilled_trainer(tmp_path, template):  # noqa: F8
     finally:
         trainer.kill()
         trainer.wait()
-    assert len(servers) >= 2, servers  # the shared memory server and a rollout's git server
+    assert len(servers) >= 3 and len(git) >= 2, (servers, git)  # memory, probe, a rollout's git
     assert gone(servers), servers
 
 
