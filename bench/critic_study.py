@@ -7,6 +7,8 @@ task and on the long-horizon variant, at 32 sampled rollouts per RL step in ever
     python bench/critic_study.py --seeds 0 --cells grpo --tasks long   # a part of it
     python bench/critic_study.py --quick --seeds 0 --cells ppo  # smoke run (tiny settings)
     python bench/critic_study.py --report-only                  # redraw the table and figure
+    python bench/critic_study.py --tasks long & python bench/critic_study.py --tasks default
+                                                               # two parts side by side
 
 Cells (``CELLS``): GRPO 8 tasks x 4 samples; PPO 8 x 4 with lambda 1; PPO 8 x 4 with the
 length-adaptive lambda at alpha 0.05 (VAPO) and 1.5 (CompactionRL); PPO 32 x 1 with the
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import json
 import shutil
 import statistics
@@ -227,8 +230,11 @@ def run_all(args, setting: dict) -> None:
                                       *cell_overrides(cell, setting)]
                 if not (run_dir / "summary.txt").exists():
                     train_cell(task, cell, seed, run_dir, overrides)
-                append_row(make_row(task, cell, seed, run_dir, setting, warm), args.out)
-                report(setting, args.out, args.command)
+                row = make_row(task, cell, seed, run_dir, setting, warm)
+                with open(work / "rows.lock", "w") as lock:  # parts may run side by side
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    append_row(row, args.out)
+                    report(setting, args.out, args.command)
 
 
 def spread(values: list[float]) -> str:

@@ -15,15 +15,20 @@ Tables (built on the device by the launcher, indexed like its tile table: sequen
   blocks of ``STEP`` rows of every suffix of prefix ``i`` (first token, rows in the block),
   suffixes in segment order: the order a prefix key tile adds their shares to dk/dv (fixed: no
   atomics, bitwise reproducible).
+- ``PART_ROW[i]`` int32: where prefix sequence ``i``'s rows start in the split sums' buffers
+  (the prefixes' rows packed one after another).
 
 Kernels (grids as the plain ones: one program per (tile, head), longest work first):
 
 - ``varlen_attention_prefix_forward_kernel``: one online softmax over the prefix's key blocks
   (unmasked but the partial last) and then the own keys (as the plain causal forward).
-- ``varlen_attention_prefix_backward_dkdv_kernel``: one program per (key tile, KV head): the
-  own queries from the diagonal (as the plain kernel), then every query block of the
-  sequence's suffixes (``QUERY_PTR``), unmasked but for padding rows; ``ATOMIC_DQ`` as the plain
-  kernel (the suffix queries' dq gets the prefix keys' share there too).
+- ``varlen_attention_prefix_backward_dkdv_kernel``: one program per (key tile, KV head,
+  split): the own queries from the diagonal (as the plain kernel), then every query block of
+  the sequence's suffixes (``QUERY_PTR``), unmasked but for padding rows; ``ATOMIC_DQ`` as the
+  plain kernel (the suffix queries' dq gets the prefix keys' share there too). A prefix's tile
+  sees all its suffixes' queries, far more than a plain tile's, so its list is split over
+  ``splits`` programs whose float32 sums (``PART_DK``/``PART_DV``, rows at ``PART_ROW``) the
+  launcher adds in split order: a fixed order, no atomics, bitwise reproducible.
 - ``varlen_attention_prefix_backward_dq_kernel``: the deterministic backward's dq: prefix keys
   then own keys.
 
@@ -116,21 +121,42 @@ def varlen_attention_prefix_forward_kernel(
 
 @triton.jit
 def varlen_attention_prefix_backward_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ, DK, DV, CU, TILE_SEQUENCE, TILE_BLOCK, QUERY_PTR, QUERY_ROW,
-        QUERY_COUNT,
+        Q, K, V, DO, LSE, DELTA, DQ, DK, DV, PART_DK, PART_DV, CU, TILE_SEQUENCE, TILE_BLOCK,
+        QUERY_PTR, QUERY_ROW, QUERY_COUNT, PART_ROW,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h,
-        num_heads_k, groups, head_dim, softmax_scale,
+        stride_ps, stride_pt, stride_ph, num_heads_k, groups, splits, head_dim, softmax_scale,
         HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, STEP: tl.constexpr,
         BLOCK: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    """dk, dv of one (key tile of ``BLOCK`` tokens, KV head): the own queries (causal, from the
-    diagonal on) and every query of the sequence's suffixes (``QUERY_PTR``'s blocks), summed
-    over the group's query heads in registers; ``ATOMIC_DQ`` as the plain kernel."""
+    """dk, dv of one (key tile of ``BLOCK`` tokens, KV head, split): the own queries (causal,
+    from the diagonal on) and every query of the sequence's suffixes (``QUERY_PTR``'s blocks),
+    summed over the group's query heads in registers; ``ATOMIC_DQ`` as the plain kernel.
+
+    A prefix's tile (one with suffix blocks) splits its (head, block) list into ``splits``
+    contiguous chunks, one program each, which store their unscaled float32 sums at
+    ``PART_*[split, PART_ROW[sequence] + row]`` for the launcher to add in split order; a
+    tile without suffixes runs whole in split 0 and stores dk (scaled) and dv."""
     pid = tl.program_id(0)
-    sequence, block, start, length = _tile(CU, TILE_SEQUENCE, TILE_BLOCK, pid // num_heads_k)
+    split = pid % splits
+    work = pid // splits
+    sequence, block, start, length = _tile(CU, TILE_SEQUENCE, TILE_BLOCK, work // num_heads_k)
     if sequence < 0:
         return
-    kv_head = pid % num_heads_k
+    kv_head = work % num_heads_k
+    # One loop over the query blocks that see the tile, as the plain kernel's (flattened with
+    # the group loop, every block masked; two loops, own then suffixes, spilled 1.4 KB at
+    # bf16 D 128): first the own queries from the diagonal on (causal, rows counted from the
+    # sequence's start), then the suffixes' blocks in the table's order (each at row 0 of its
+    # `count` valid rows, no causal mask: they see every key of the prefix).
+    own = tl.cdiv(length - block * BLOCK, STEP)
+    first = tl.load(QUERY_PTR + sequence)
+    total = own + tl.load(QUERY_PTR + sequence + 1) - first
+    shared = total > own
+    if not shared and split > 0:
+        return
+    entries = groups * total
+    j0 = tl.where(shared, split * entries // splits, 0)
+    j1 = tl.where(shared, (split + 1) * entries // splits, entries)
     qk_scale = softmax_scale * LOG2E
     offs_n = block * BLOCK + tl.arange(0, BLOCK)
     offs_m = tl.arange(0, STEP)
@@ -142,34 +168,33 @@ def varlen_attention_prefix_backward_dkdv_kernel(
                    head_dim, n_valid, EVEN_D, False)
     dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    # One loop over the query blocks that see the tile, as the plain kernel's (flattened with
-    # the group loop, every block masked; two loops, own then suffixes, spilled 1.4 KB at
-    # bf16 D 128): first the own queries from the diagonal on (causal, rows counted from the
-    # sequence's start), then the suffixes' blocks in the table's order (each at row 0 of its
-    # `count` valid rows, no causal mask: they see every key of the prefix).
-    own = tl.cdiv(length - block * BLOCK, STEP)
-    first = tl.load(QUERY_PTR + sequence)
-    total = own + tl.load(QUERY_PTR + sequence + 1) - first
-    for g in tl.range(0, groups, flatten=not IEEE):
+    for j in range(j0, j1):
+        g = j // total
+        i = j - g * total
         head = kv_head * groups + g
-        for i in range(total):
-            is_own = i < own
-            entry = first + i - own  # (read only for a suffix block)
-            row = tl.where(is_own, start,
-                           tl.load(QUERY_ROW + entry, mask=i >= own, other=0).to(tl.int64))
-            rows = tl.where(is_own, length, tl.load(QUERY_COUNT + entry, mask=i >= own, other=0))
-            m0 = tl.where(is_own, block * BLOCK + i * STEP, 0)
-            dk, dv = _dkdv_step(dk, dv, k, v, Q + row * stride_qt + head * stride_qh,
-                                DO + row * stride_dot + head * stride_doh,
-                                LSE + head * stride_lse_h + row, DELTA + head * stride_lse_h + row,
-                                m0, offs_m, offs_n, offs_d, stride_qt, stride_dot, head_dim, rows,
-                                qk_scale, is_own.to(tl.int32),
-                                DQ + row * stride_dqt + head * stride_dqh, stride_dqt, EVEN_D,
-                                IEEE, ATOMIC_DQ)
-    _store_rows(DK + start * stride_dkt + kv_head * stride_dkh, offs_n, stride_dkt, offs_d,
-                head_dim, n_valid, dk * softmax_scale, EVEN_D)
-    _store_rows(DV + start * stride_dvt + kv_head * stride_dvh, offs_n, stride_dvt, offs_d,
-                head_dim, n_valid, dv, EVEN_D)
+        is_own = i < own
+        entry = first + i - own  # (read only for a suffix block)
+        row = tl.where(is_own, start,
+                       tl.load(QUERY_ROW + entry, mask=i >= own, other=0).to(tl.int64))
+        rows = tl.where(is_own, length, tl.load(QUERY_COUNT + entry, mask=i >= own, other=0))
+        m0 = tl.where(is_own, block * BLOCK + i * STEP, 0)
+        dk, dv = _dkdv_step(dk, dv, k, v, Q + row * stride_qt + head * stride_qh,
+                            DO + row * stride_dot + head * stride_doh,
+                            LSE + head * stride_lse_h + row, DELTA + head * stride_lse_h + row,
+                            m0, offs_m, offs_n, offs_d, stride_qt, stride_dot, head_dim, rows,
+                            qk_scale, is_own.to(tl.int32),
+                            DQ + row * stride_dqt + head * stride_dqh, stride_dqt, EVEN_D,
+                            IEEE, ATOMIC_DQ)
+    if shared:
+        part = (tl.load(PART_ROW + sequence).to(tl.int64) * stride_pt + split * stride_ps
+                + kv_head * stride_ph)
+        _store_rows(PART_DK + part, offs_n, stride_pt, offs_d, head_dim, n_valid, dk, EVEN_D)
+        _store_rows(PART_DV + part, offs_n, stride_pt, offs_d, head_dim, n_valid, dv, EVEN_D)
+    else:
+        _store_rows(DK + start * stride_dkt + kv_head * stride_dkh, offs_n, stride_dkt, offs_d,
+                    head_dim, n_valid, dk * softmax_scale, EVEN_D)
+        _store_rows(DV + start * stride_dvt + kv_head * stride_dvh, offs_n, stride_dvt, offs_d,
+                    head_dim, n_valid, dv, EVEN_D)
 
 
 @triton.jit
@@ -250,13 +275,16 @@ def _forward_signature(dtype: str) -> dict:
 
 
 def _backward_dkdv_signature(dtype: str) -> dict:
-    signature = _signature(dtype, ("Q", "K", "V", "DO", "LSE", "DELTA", "DQ", "DK", "DV"),
-                           ("LSE", "DELTA", "DQ"),  # DQ: the atomic float32 accumulator
+    signature = _signature(dtype, ("Q", "K", "V", "DO", "LSE", "DELTA", "DQ", "DK", "DV",
+                                   "PART_DK", "PART_DV"),
+                           # DQ: the atomic float32 accumulator; PART_*: the splits' sums
+                           ("LSE", "DELTA", "DQ", "PART_DK", "PART_DV"),
                            ("CU", "TILE_SEQUENCE", "TILE_BLOCK", "QUERY_PTR", "QUERY_ROW",
-                            "QUERY_COUNT"),
+                            "QUERY_COUNT", "PART_ROW"),
                            _QKV_STRIDES + ("stride_dot", "stride_doh", "stride_dqt",
                                            "stride_dqh", "stride_dkt", "stride_dkh", "stride_dvt",
-                                           "stride_dvh", "stride_lse_h", "num_heads_k", "groups",
+                                           "stride_dvh", "stride_lse_h", "stride_ps", "stride_pt",
+                                           "stride_ph", "num_heads_k", "groups", "splits",
                                            "head_dim"))
     signature.update({name: "constexpr" for name in ("HEAD_DIM", "EVEN_D", "STEP", "BLOCK",
                                                      "IEEE", "ATOMIC_DQ")})

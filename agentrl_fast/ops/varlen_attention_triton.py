@@ -362,15 +362,51 @@ def suffix_query_blocks(bounds: torch.Tensor, prefix: torch.Tensor, num_tokens: 
 def prefix_dkdv_table(cu_seqlens: torch.Tensor, prefix_of: torch.Tensor, num_tokens: int,
                       block: int, step: int):
     """The dk/dv kernel's tiles, ordered by the queries that see them (own and suffixes'):
-    ``(bounds[B+3], tile_sequence, tile_block, slots, query_ptr, query_row, query_count)``."""
+    ``(bounds[B+3], tile_sequence, tile_block, slots, query_ptr, query_row, query_count,
+    part_row[B+2] int32, part_tokens[R] int64, facts)``: the prefixes' rows packed one after
+    another for the split sums (``part_row``: each prefix's first; ``part_tokens``: each
+    packed row's token), and ``facts`` on the host, ``(R, prefix tiles, most suffix blocks of
+    a prefix)``: the table's one host sync, once per (``cu_seqlens``, ``prefix_of``) pair."""
     bounds = sequence_bounds(cu_seqlens, num_tokens)
     prefix = prefix_sequences(cu_seqlens, prefix_of)
     query_ptr, query_row, query_count, suffix_tokens = suffix_query_blocks(bounds, prefix,
                                                                            num_tokens, step)
     _, tile_sequence, tile_block, slots = tile_table(cu_seqlens, num_tokens, block, True,
                                                      by_length=True, extra_work=suffix_tokens)
+    lengths = bounds[1:] - bounds[:-1]
+    suffix_blocks = (query_ptr[1:] - query_ptr[:-1]).to(torch.int64)
+    prefix_rows = torch.where(suffix_blocks > 0, lengths, 0)
+    part_row = torch.cumsum(prefix_rows, 0) - prefix_rows
+    facts = tuple(torch.stack([prefix_rows.sum(), ((prefix_rows + block - 1) // block).sum(),
+                               suffix_blocks.max()]).tolist())
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=bounds.device),
+                                       prefix_rows, output_size=facts[0])
+    part_tokens = (bounds[sequence] + torch.arange(facts[0], device=bounds.device)
+                   - part_row[sequence])
     return (bounds.to(torch.int32), tile_sequence, tile_block, slots, query_ptr, query_row,
-            query_count)
+            query_count, part_row.to(torch.int32), part_tokens, facts)
+
+
+# A prefix tile's query list is split until the prefixes' tiles give this many programs per
+# processor, into at most MAX_SPLITS chunks of at least MIN_SPLIT_ENTRIES (head, block)
+# entries: past that a chunk's fixed cost (its key tile's loads, the float32 sums' traffic)
+# outweighs the balance.
+PROGRAMS_PER_PROCESSOR = 2
+MAX_SPLITS = 8
+MIN_SPLIT_ENTRIES = 4
+
+
+def prefix_dkdv_splits(facts: tuple, num_heads_k: int, groups: int, device: torch.device) -> int:
+    """How many programs share each prefix tile's dk/dv (1: no split). The split sums' buffers
+    hold ``2 x splits x R x Hk x D`` floats: splits above 1 only while the prefixes' tiles are
+    too few to fill the device, so they stay small (about 4 x processors x BLOCK rows)."""
+    _, prefix_tiles, suffix_blocks = facts
+    if prefix_tiles == 0:
+        return 1
+    processors = (torch.cuda.get_device_properties(device).multi_processor_count
+                  if device.type == "cuda" else 8)  # (the interpreter: splits still run)
+    wanted = -(-PROGRAMS_PER_PROCESSOR * processors // (prefix_tiles * num_heads_k))
+    return max(1, min(wanted, MAX_SPLITS, suffix_blocks * groups // MIN_SPLIT_ENTRIES))
 
 
 # prefix_of -> (cu_seqlens -> tables): built once per pair of tensors, like _TABLES.
@@ -448,8 +484,12 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
               torch.zeros(num_tokens, num_heads_q, head_dim, dtype=torch.float32, device=q.device))
     dq_arg, dq_strides = ((delta, (0, 0)) if dq_acc is None
                           else (dq_acc, (dq_acc.stride(0), dq_acc.stride(1))))
-    bounds, tile_sequence, tile_block, slots, query_ptr, query_row, query_count = (
-        cached_prefix_table(cu_seqlens, prefix_of, num_tokens, config["BLOCK"], config["STEP"]))
+    (bounds, tile_sequence, tile_block, slots, query_ptr, query_row, query_count, part_row,
+     part_tokens, facts) = cached_prefix_table(cu_seqlens, prefix_of, num_tokens,
+                                               config["BLOCK"], config["STEP"])
+    splits = prefix_dkdv_splits(facts, num_heads_k, groups, q.device)
+    part = torch.empty(2, splits, facts[0], num_heads_k, head_dim, dtype=torch.float32,
+                       device=q.device)  # the splits' dk, dv sums of the prefixes' rows
     common = dict(HEAD_DIM=padded, EVEN_D=padded == head_dim, IEEE=dtype == "fp32")
     with _device_guard(q):
         block_t = kernels.PREPROCESS_BLOCK_T
@@ -458,15 +498,18 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
             out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
             delta.stride(0), num_tokens, head_dim, BLOCK_T=block_t,
             BLOCK_D=kernels.PREPROCESS_BLOCK_D, num_warps=4, num_stages=1)
-        prefix_kernels.varlen_attention_prefix_backward_dkdv_kernel[(slots * num_heads_k,)](
-            q, k, v, dout, lse, delta, dq_arg, dk_t, dv_t, bounds, tile_sequence, tile_block,
-            query_ptr, query_row, query_count,
+        prefix_kernels.varlen_attention_prefix_backward_dkdv_kernel[
+            (slots * num_heads_k * splits,)](
+            q, k, v, dout, lse, delta, dq_arg, dk_t, dv_t, part[0], part[1], bounds,
+            tile_sequence, tile_block, query_ptr, query_row, query_count, part_row,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), *dq_strides, dk_t.stride(0),
             dk_t.stride(1), dv_t.stride(0), dv_t.stride(1), delta.stride(0),
-            num_heads_k, groups, head_dim, float(scale),
+            part.stride(1), part.stride(2), part.stride(3),
+            num_heads_k, groups, splits, head_dim, float(scale),
             BLOCK=config["BLOCK"], STEP=config["STEP"], ATOMIC_DQ=dq_acc is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"], **common)
+        _add_splits(part, part_tokens, scale, dk_t, dv_t)
         if dq_acc is not None:
             dq_t.copy_(dq_acc.mul_(scale))
         else:
@@ -483,6 +526,18 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
     for target, grad in zip(targets, (dq, dk, dv)):
         if target is not grad:
             grad.copy_(target)
+
+
+def _add_splits(part: torch.Tensor, part_tokens: torch.Tensor, scale: float, dk: torch.Tensor,
+                dv: torch.Tensor) -> None:
+    """The prefixes' rows of ``dk``, ``dv`` ([T, Hk, D]): the splits' float32 sums
+    (``part[2, splits, R, Hk, D]``) added over splits (a reduction of a fixed shape: the same
+    bits every run), dk scaled, written at ``part_tokens[R]``."""
+    if part_tokens.numel() == 0:
+        return
+    sums = part.sum(1)
+    dk.index_copy_(0, part_tokens, (sums[0] * scale).to(dk.dtype))
+    dv.index_copy_(0, part_tokens, sums[1].to(dv.dtype))
 
 
 BACKEND = Backend("triton", "op", _unavailable, forward=_forward, backward=_backward,

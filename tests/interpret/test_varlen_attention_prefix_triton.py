@@ -19,6 +19,7 @@ from test_varlen_attention_prefix import (HEAD_DIM, LAYOUTS, MIXED, _grads,
 from agentrl_fast.ops import varlen_attention
 from agentrl_fast.ops._varlen_attention_prefix import prefix_kernels
 from agentrl_fast.ops.varlen_attention import BACKENDS
+from agentrl_fast.ops import varlen_attention_triton as triton_launcher
 from agentrl_fast.ops.varlen_attention_triton import (cached_prefix_table, prefix_sequences,
                                                       sequence_bounds, suffix_query_blocks)
 
@@ -95,6 +96,43 @@ def test_deterministic_backward_is_bitwise_reproducible_and_agrees_with_the_atom
             assert torch.equal(grads[1], first[3]) and torch.equal(grads[2], first[4])
             torch.testing.assert_close(grads[0].float(), first[2].float(), rtol=2e-2,
                                        atol=2e-2)
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_split_prefix_tiles_match_unshared_float64(splits, monkeypatch):
+    """A prefix tile's dk/dv in one program and split over 8 (more chunks than some tiles'
+    lists: empty chunks too; the other tests run the launcher's own choice, 2-4 here): the
+    oracle's values, and with 8 the deterministic backward's bits run to run."""
+    monkeypatch.setattr(triton_launcher, "prefix_dkdv_splits", lambda *args: splits)
+    first, _ = run_case(BLOCKS, torch.bfloat16, (4, 2), seed=14, deterministic=True)
+    if splits > 1:
+        again, _ = run_case(BLOCKS, torch.bfloat16, (4, 2), seed=14, deterministic=True)
+        for name, a, b in zip(NAMES, first, again):
+            assert torch.equal(a, b), name
+
+
+def test_splits_fill_the_device_within_their_bounds():
+    """Enough programs for 2 per processor over the prefixes' tiles, at most 8 chunks of at
+    least 4 entries; 1 without prefixes or with enough tiles."""
+    cpu = torch.device("cpu")  # 8 processors
+    assert triton_launcher.prefix_dkdv_splits((0, 0, 0), 2, 4, cpu) == 1
+    assert triton_launcher.prefix_dkdv_splits((128, 1, 64), 1, 4, cpu) == 8
+    assert triton_launcher.prefix_dkdv_splits((512, 4, 64), 2, 4, cpu) == 2
+    assert triton_launcher.prefix_dkdv_splits((2048, 16, 64), 2, 4, cpu) == 1
+    assert triton_launcher.prefix_dkdv_splits((128, 1, 3), 1, 4, cpu) == 3  # 12 entries
+
+
+def test_dkdv_table_packs_the_prefixes_rows():
+    """The split sums' rows: each prefix's rows one after another, where its tokens are."""
+    lengths, parents = [4, 5, 3, 0, 7, 2, 1], [-1, 0, -1, 0, 2, 0, -1]
+    cu = cu_seqlens_of(lengths)
+    table = triton_launcher.prefix_dkdv_table(cu, torch.tensor(parents, dtype=torch.int32),
+                                              sum(lengths), 2, 2)
+    part_row, part_tokens, facts = table[7:]
+    # prefixes: segment 0 (tokens 0-3, tiles 0-1 of 2) and segment 2 (tokens 9-11, 2 tiles)
+    assert part_tokens.tolist() == [0, 1, 2, 3, 9, 10, 11]
+    assert part_row.tolist()[1] == 0 and part_row.tolist()[3] == 4
+    assert facts == (7, 4, 4)  # rows, tiles, most suffix blocks (segment 0: 3 + 1)
 
 
 def test_public_function_runs_the_native_kernels():
@@ -183,4 +221,5 @@ def test_tables_are_built_once_per_pair_of_tensors():
     prefix_of[2] = -1  # in place: the cached tables no longer describe it
     fresh = cached_prefix_table(cu, prefix_of, 16, 64)
     assert fresh is not first and fresh[1].tolist() == [-1, -1, 1, -1, -1]
+    assert len(cached_prefix_table(cu, prefix_of, 16, 64, 32)) == 10  # dk/dv: with the splits'
 
