@@ -1,7 +1,8 @@
 """Triton kernels: compiled ahead of time for sm_90 under every triton at hand, and run on the
 CPU by the interpreter in child processes.
 
-- AOT: ``tests/triton_aot.py`` compiles every configuration of ``agentrl_fast/kernels/*.py`` (``aot_specs()``)
+- AOT: ``tests/triton_aot.py --sample`` compiles every configuration of
+  ``agentrl_fast/kernels/*.py`` (``aot_specs()``; of the prefix-shared kernels, their sample)
   for sm_90 with no GPU, with the launch hints a GPU launch gets, and fails on compile errors,
   spills its spec does not allow, or shared memory over the sm_90 limit; the hot attention
   forwards must not spill and, in bf16, must use wgmma. It runs under this process's triton and
@@ -38,8 +39,8 @@ def _shipped_kernel_modules():
 
 def _aot_command(python) -> Command:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return Command([str(python), str(TESTS / "triton_aot.py")], cwd=str(ROOT), env=env,
-                   timeout=600)
+    return Command([str(python), str(TESTS / "triton_aot.py"), "--sample"], cwd=str(ROOT),
+                   env=env, timeout=600)
 
 
 def _interpreter_command(test_file: str) -> Command:
@@ -58,7 +59,7 @@ def background_command(params: dict) -> Command | None:
     return None if python is None else _aot_command(python)
 
 
-@pytest.mark.slow  # minutes on a 2-core machine: every configuration of every kernel, twice
+@pytest.mark.slow  # minutes on a 2-core machine: every configuration (sampled), twice
 @pytest.mark.parametrize("triton", TRITONS)
 def test_every_kernel_configuration_compiles_for_sm90_without_spills(triton, background_result):
     python = sys.executable if triton == "installed" else side_env_python(triton)

@@ -8,6 +8,7 @@ any triton version in a side environment: ``python tests/triton_aot.py``. Each m
     {"name": str, "fn": <@triton.jit function>, "signature": {arg: "*fp32" | "i32" | ... |
      "constexpr"}, "constexprs": {arg: value}, "num_warps": int, "num_stages": int,
      "allow_spills": bool (optional, default False),
+     "sample": bool (optional, default True: False leaves it out of ``--sample``, CI's run),
      "tuning": (op, key) (optional: agentrl_fast/kernels/tuned.py's name of its launch, whose tuned
                configurations are compiled too),
      "hints": {"divisible_by_16": [int arg, ...], "equal_to_1": [int arg, ...]} (optional)}
@@ -29,7 +30,9 @@ the PTX (``cp_async``, ``tma``, ``wgmma`` with its shapes, ``local_in_loops``: s
 reach the compile, it spills where the spec does not allow it or it needs more shared memory
 than an sm_90 block may have (``failure_reasons``). Exit status 1 when any fails. Each compile
 gets a fresh triton cache, so each runs ptxas. ``python tests/triton_aot.py NAME ...`` compiles
-only the configurations named (spot checks).
+only the configurations named (spot checks); ``--sample`` (CI) leaves out the specs marked
+``"sample": False`` (the prefix-shared kernels' cold configurations: the same bodies and helpers
+as their sampled ones, a quarter of the CPU time).
 """
 
 import contextlib
@@ -349,9 +352,11 @@ def main() -> int:
         SPECS.extend(getattr(module, "aot_specs", lambda: [])())
     tuned = next(m for m in modules if m.__name__.endswith(".tuned"))
     SPECS[:] = with_sweep_extras(with_tuned_variants(SPECS, tuned), sweep_extras())
-    only = sys.argv[1:]  # optional: names to compile (spot checks)
+    only = [a for a in sys.argv[1:] if a != "--sample"]  # optional: names (spot checks)
     if only:
         SPECS[:] = [spec for spec in SPECS if spec["name"] in only]
+    if "--sample" in sys.argv[1:]:  # CI's: a spec with "sample": False is left out
+        SPECS[:] = [spec for spec in SPECS if spec.get("sample", True)]
     SPECS.sort(key=compile_cost, reverse=True)
     # Configurations compile independently: one process per core (forked, so the kernels
     # loaded above are shared).

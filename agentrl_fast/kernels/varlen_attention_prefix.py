@@ -301,13 +301,19 @@ def _backward_dq_signature(dtype: str) -> dict:
     return signature
 
 
+# The configurations CI compiles (``tests/triton_aot.py --sample``): the hot ones, and one of
+# each other code path (float32's IEEE dots, an odd head dim's masks, the widest head); the
+# rest differ only in sizes (``python tests/triton_aot.py`` compiles every one).
+SAMPLE = {("bf16", 64, False), ("fp32", 64, True), ("bf16", 256, True)}
+
+
 def _spec(name: str, fn, signature: dict, constexprs: dict, config: dict, tuning: tuple,
-          hot: bool) -> dict:
+          hot: bool, sample: bool) -> dict:
     hints = _launch_hints(signature)
     hints["equal_to_1"] = []  # no causal argument: the prefix mode is always causal
     return {"name": name, "fn": fn, "signature": signature, "constexprs": constexprs,
             "num_warps": config["num_warps"], "num_stages": config["num_stages"],
-            "hints": hints, "tuning": tuning, "allow_spills": not hot}
+            "hints": hints, "tuning": tuning, "allow_spills": not hot, "sample": sample}
 
 
 def aot_specs():
@@ -321,12 +327,13 @@ def aot_specs():
                 tag = f"{dtype}_d{padded}{'' if even else '_odd'}"
                 key = f"{dtype}_d{padded}"
                 hot = dtype != "fp32" and padded in (64, 128) and even
+                sample = hot or (dtype, padded, even) in SAMPLE
                 base = {"HEAD_DIM": padded, "EVEN_D": even, "IEEE": dtype == "fp32"}
                 config = forward_config(dtype, padded)
                 yield _spec(f"varlen_attention_prefix_forward_{tag}",
                             varlen_attention_prefix_forward_kernel, _forward_signature(dtype),
                             {**base, "BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"]},
-                            config, ("varlen_attention_forward", key), hot)
+                            config, ("varlen_attention_forward", key), hot, sample)
                 config = backward_config(dtype, padded)
                 for atomic in (True, False):
                     yield _spec(f"varlen_attention_prefix_backward{'' if atomic else '_dkdv'}_{tag}",
@@ -334,10 +341,10 @@ def aot_specs():
                                 _backward_dkdv_signature(dtype),
                                 {**base, "BLOCK": config["BLOCK"], "STEP": config["STEP"],
                                  "ATOMIC_DQ": atomic},
-                                config, ("varlen_attention_backward", key), hot)
+                                config, ("varlen_attention_backward", key), hot, sample)
                 config = backward_dq_config(dtype, padded)
                 yield _spec(f"varlen_attention_prefix_backward_dq_{tag}",
                             varlen_attention_prefix_backward_dq_kernel,
                             _backward_dq_signature(dtype),
                             {**base, "BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"]},
-                            config, ("varlen_attention_backward_dq", key), hot)
+                            config, ("varlen_attention_backward_dq", key), hot, sample)
