@@ -231,7 +231,8 @@ def run_all(args, setting: dict) -> None:
                 if not (run_dir / "summary.txt").exists():
                     train_cell(task, cell, seed, run_dir, overrides)
                 row = make_row(task, cell, seed, run_dir, setting, warm)
-                with open(work / "rows.lock", "w") as lock:  # parts may run side by side
+                lock_path = args.out.parent / f".{args.out.name}.lock"
+                with open(lock_path, "w") as lock:  # parts may run side by side
                     fcntl.flock(lock, fcntl.LOCK_EX)
                     append_row(row, args.out)
                     report(setting, args.out, args.command)

@@ -18,7 +18,8 @@ Tables (built on the device by the launcher, indexed like its tile table: sequen
 - ``PART_ROW[i]`` int32: where prefix sequence ``i``'s rows start in the split sums' buffers
   (the prefixes' rows packed one after another).
 
-Kernels (grids as the plain ones: one program per (tile, head), longest work first):
+Kernels (grids as the plain ones: one program per (tile, head), longest work first; the
+dk/dv kernel's split programs first):
 
 - ``varlen_attention_prefix_forward_kernel``: one online softmax over the prefix's key blocks
   (unmasked but the partial last) and then the own keys (as the plain causal forward).
@@ -28,7 +29,7 @@ Kernels (grids as the plain ones: one program per (tile, head), longest work fir
   plain kernel (the suffix queries' dq gets the prefix keys' share there too). A prefix's tile
   sees all its suffixes' queries, far more than a plain tile's, so its list is split over
   ``splits`` programs whose float32 sums (``PART_DK``/``PART_DV``, rows at ``PART_ROW``) the
-  launcher adds in split order: a fixed order, no atomics, bitwise reproducible.
+  launcher adds in a fixed order: no atomics, bitwise reproducible for a given split count.
 - ``varlen_attention_prefix_backward_dq_kernel``: the deterministic backward's dq: prefix keys
   then own keys.
 
@@ -122,27 +123,37 @@ def varlen_attention_prefix_forward_kernel(
 @triton.jit
 def varlen_attention_prefix_backward_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DQ, DK, DV, PART_DK, PART_DV, CU, TILE_SEQUENCE, TILE_BLOCK,
-        QUERY_PTR, QUERY_ROW, QUERY_COUNT, PART_ROW,
+        QUERY_PTR, QUERY_ROW, QUERY_COUNT, PART_ROW, SPLIT_TILE,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h,
-        stride_ps, stride_pt, stride_ph, num_heads_k, groups, splits, head_dim, softmax_scale,
+        stride_ps, stride_pt, stride_ph, num_heads_k, groups, splits, extra, head_dim,
+        softmax_scale,
         HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, STEP: tl.constexpr,
         BLOCK: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """dk, dv of one (key tile of ``BLOCK`` tokens, KV head, split): the own queries (causal,
     from the diagonal on) and every query of the sequence's suffixes (``QUERY_PTR``'s blocks),
     summed over the group's query heads in registers; ``ATOMIC_DQ`` as the plain kernel.
 
-    A prefix's tile (one with suffix blocks) splits its (head, block) list into ``splits``
-    contiguous chunks, one program each, which store their unscaled float32 sums at
-    ``PART_*[split, PART_ROW[sequence] + row]`` for the launcher to add in split order; a
-    tile without suffixes runs whole in split 0 and stores dk (scaled) and dv."""
+    With ``splits`` > 1 a prefix's tile (one with suffix blocks) splits its (head, block) list
+    into ``splits`` contiguous chunks, one program each, which store their unscaled float32
+    sums at ``PART_*[split, PART_ROW[sequence] + row]`` for the launcher to add; every other
+    tile runs whole and stores dk (scaled) and dv. Programs: first the ``extra`` ones, splits
+    1.. of the prefixes' tiles (``SPLIT_TILE``: their slots in the tile table), then split 0
+    of every tile in the table's order."""
     pid = tl.program_id(0)
-    split = pid % splits
-    work = pid // splits
-    sequence, block, start, length = _tile(CU, TILE_SEQUENCE, TILE_BLOCK, work // num_heads_k)
+    if pid < extra:
+        others = tl.maximum(splits - 1, 1)
+        split = 1 + pid % others
+        work = pid // others
+        kv_head = work % num_heads_k
+        tile = tl.load(SPLIT_TILE + work // num_heads_k)
+    else:
+        split = pid * 0  # (a tensor in both branches)
+        kv_head = (pid - extra) % num_heads_k
+        tile = (pid - extra) // num_heads_k
+    sequence, block, start, length = _tile(CU, TILE_SEQUENCE, TILE_BLOCK, tile)
     if sequence < 0:
         return
-    kv_head = work % num_heads_k
     # One loop over the query blocks that see the tile, as the plain kernel's (flattened with
     # the group loop, every block masked; two loops, own then suffixes, spilled 1.4 KB at
     # bf16 D 128): first the own queries from the diagonal on (causal, rows counted from the
@@ -151,9 +162,7 @@ def varlen_attention_prefix_backward_dkdv_kernel(
     own = tl.cdiv(length - block * BLOCK, STEP)
     first = tl.load(QUERY_PTR + sequence)
     total = own + tl.load(QUERY_PTR + sequence + 1) - first
-    shared = total > own
-    if not shared and split > 0:
-        return
+    shared = (total > own) & (splits > 1)
     entries = groups * total
     j0 = tl.where(shared, split * entries // splits, 0)
     j1 = tl.where(shared, (split + 1) * entries // splits, entries)
@@ -186,8 +195,8 @@ def varlen_attention_prefix_backward_dkdv_kernel(
                             DQ + row * stride_dqt + head * stride_dqh, stride_dqt, EVEN_D,
                             IEEE, ATOMIC_DQ)
     if shared:
-        part = (tl.load(PART_ROW + sequence).to(tl.int64) * stride_pt + split * stride_ps
-                + kv_head * stride_ph)
+        part = (tl.load(PART_ROW + sequence).to(tl.int64) * stride_pt
+                + split.to(tl.int64) * stride_ps + kv_head * stride_ph)
         _store_rows(PART_DK + part, offs_n, stride_pt, offs_d, head_dim, n_valid, dk, EVEN_D)
         _store_rows(PART_DV + part, offs_n, stride_pt, offs_d, head_dim, n_valid, dv, EVEN_D)
     else:
@@ -280,12 +289,12 @@ def _backward_dkdv_signature(dtype: str) -> dict:
                            # DQ: the atomic float32 accumulator; PART_*: the splits' sums
                            ("LSE", "DELTA", "DQ", "PART_DK", "PART_DV"),
                            ("CU", "TILE_SEQUENCE", "TILE_BLOCK", "QUERY_PTR", "QUERY_ROW",
-                            "QUERY_COUNT", "PART_ROW"),
+                            "QUERY_COUNT", "PART_ROW", "SPLIT_TILE"),
                            _QKV_STRIDES + ("stride_dot", "stride_doh", "stride_dqt",
                                            "stride_dqh", "stride_dkt", "stride_dkh", "stride_dvt",
                                            "stride_dvh", "stride_lse_h", "stride_ps", "stride_pt",
                                            "stride_ph", "num_heads_k", "groups", "splits",
-                                           "head_dim"))
+                                           "extra", "head_dim"))
     signature.update({name: "constexpr" for name in ("HEAD_DIM", "EVEN_D", "STEP", "BLOCK",
                                                      "IEEE", "ATOMIC_DQ")})
     return signature
@@ -302,9 +311,9 @@ def _backward_dq_signature(dtype: str) -> dict:
 
 
 # The configurations CI compiles (``tests/triton_aot.py --sample``): the hot ones, and one of
-# each other code path (float32's IEEE dots, an odd head dim's masks, the widest head); the
-# rest differ only in sizes (``python tests/triton_aot.py`` compiles every one).
-SAMPLE = {("bf16", 64, False), ("fp32", 64, True), ("bf16", 256, True)}
+# each other code path (float32's IEEE dots and its small tiles, an odd head dim's masks, the
+# widest head); the rest differ in sizes (``python tests/triton_aot.py`` compiles every one).
+SAMPLE = {("bf16", 64, False), ("fp32", 64, True), ("fp32", 256, True), ("bf16", 256, True)}
 
 
 def _spec(name: str, fn, signature: dict, constexprs: dict, config: dict, tuning: tuple,

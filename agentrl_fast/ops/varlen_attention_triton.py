@@ -4,8 +4,8 @@
 ``BACKEND`` is ``Backend("triton", "op", ...)``, which ``varlen_attention`` registers. Its
 ``forward`` and ``backward`` write into the preallocated outputs they are given (``out[T, Hq, D]``,
 ``lse[Hq, T]`` float32; ``dq``, ``dk``, ``dv``) and allocate only scratch: the tile table and,
-in the backward, ``delta[Hq, T]`` float32 and (not ``deterministic``) the float32 ``dq``
-accumulator ``[T, Hq, D]``.
+in the backward, ``delta[Hq, T]`` float32, (not ``deterministic``) the float32 ``dq``
+accumulator ``[T, Hq, D]`` and (prefix-shared mode, split) the splits' float32 dk/dv sums.
 
 Scheduling (no host sync): ``tile_table`` turns ``cu_seqlens`` into the list of real
 (sequence, block) tiles on the device, sorted so the longest work comes first: under a causal
@@ -42,7 +42,11 @@ the device per (``cu_seqlens``, ``prefix_of``) pair of tensors: the sanitized pr
 sequence (a bad entry reads as -1), tiles ordered with the prefix's keys (forward, dq) or the
 suffixes' queries (dk/dv) counted as work, and the CSR of each prefix's suffix query blocks that
 its dk/dv tiles walk in a fixed order (dk/dv summed in registers, no atomics; dq by atomics or,
-``deterministic``, by its own kernel, as the plain backward).
+``deterministic``, by its own kernel, as the plain backward). A prefix's key tile sees all its
+suffixes' queries: when the prefixes' tiles are too few to fill the device its list is split
+over several programs (``prefix_dkdv_splits``) whose float32 sums ``_add_splits`` adds in a
+fixed order. The dk/dv table makes one host sync (the prefixes' row and tile counts, which
+size those sums), once per pair of tensors.
 
 With ``TRITON_INTERPRET=1`` set when this module is imported, the kernels run on CPU tensors
 (how the tests run them); otherwise the backend needs a CUDA device (sm_80 or newer).
@@ -363,10 +367,11 @@ def prefix_dkdv_table(cu_seqlens: torch.Tensor, prefix_of: torch.Tensor, num_tok
                       block: int, step: int):
     """The dk/dv kernel's tiles, ordered by the queries that see them (own and suffixes'):
     ``(bounds[B+3], tile_sequence, tile_block, slots, query_ptr, query_row, query_count,
-    part_row[B+2] int32, part_tokens[R] int64, facts)``: the prefixes' rows packed one after
-    another for the split sums (``part_row``: each prefix's first; ``part_tokens``: each
-    packed row's token), and ``facts`` on the host, ``(R, prefix tiles, most suffix blocks of
-    a prefix)``: the table's one host sync, once per (``cu_seqlens``, ``prefix_of``) pair."""
+    part_row[B+2] int32, part_tokens[R] int64, split_tile[prefix tiles] int32, facts)``: the
+    prefixes' rows packed one after another for the split sums (``part_row``: each prefix's
+    first; ``part_tokens``: each packed row's token), the prefixes' tiles' slots in the tile
+    table, and ``facts`` on the host, ``(R, prefix tiles, most suffix blocks of a prefix)``:
+    the table's one host sync, once per (``cu_seqlens``, ``prefix_of``) pair."""
     bounds = sequence_bounds(cu_seqlens, num_tokens)
     prefix = prefix_sequences(cu_seqlens, prefix_of)
     query_ptr, query_row, query_count, suffix_tokens = suffix_query_blocks(bounds, prefix,
@@ -383,23 +388,27 @@ def prefix_dkdv_table(cu_seqlens: torch.Tensor, prefix_of: torch.Tensor, num_tok
                                        prefix_rows, output_size=facts[0])
     part_tokens = (bounds[sequence] + torch.arange(facts[0], device=bounds.device)
                    - part_row[sequence])
+    of_prefix = (tile_sequence >= 0) & (prefix_rows[tile_sequence.clamp(min=0).long()] > 0)
+    split_tile = torch.argsort((~of_prefix).to(torch.int8), stable=True)[:facts[1]]
     return (bounds.to(torch.int32), tile_sequence, tile_block, slots, query_ptr, query_row,
-            query_count, part_row.to(torch.int32), part_tokens, facts)
+            query_count, part_row.to(torch.int32), part_tokens, split_tile.to(torch.int32),
+            facts)
 
 
 # A prefix tile's query list is split until the prefixes' tiles give this many programs per
 # processor, into at most MAX_SPLITS chunks of at least MIN_SPLIT_ENTRIES (head, block)
-# entries: past that a chunk's fixed cost (its key tile's loads, the float32 sums' traffic)
-# outweighs the balance.
+# entries of the longest list: past that a chunk's fixed cost (its key tile's loads, the
+# float32 sums' traffic) outweighs the balance.
 PROGRAMS_PER_PROCESSOR = 2
 MAX_SPLITS = 8
 MIN_SPLIT_ENTRIES = 4
 
 
 def prefix_dkdv_splits(facts: tuple, num_heads_k: int, groups: int, device: torch.device) -> int:
-    """How many programs share each prefix tile's dk/dv (1: no split). The split sums' buffers
-    hold ``2 x splits x R x Hk x D`` floats: splits above 1 only while the prefixes' tiles are
-    too few to fill the device, so they stay small (about 4 x processors x BLOCK rows)."""
+    """How many programs share each prefix tile's dk/dv (1: no split, no float32 sums). They
+    hold ``2 x splits x R x Hk`` rows of D floats, above 1 split only while the prefixes'
+    tiles are too few to fill the device: at most about ``2 x 4 x processors x BLOCK`` rows.
+    The split count (so the dk/dv bits) depends on the device's processor count."""
     _, prefix_tiles, suffix_blocks = facts
     if prefix_tiles == 0:
         return 1
@@ -485,11 +494,12 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
     dq_arg, dq_strides = ((delta, (0, 0)) if dq_acc is None
                           else (dq_acc, (dq_acc.stride(0), dq_acc.stride(1))))
     (bounds, tile_sequence, tile_block, slots, query_ptr, query_row, query_count, part_row,
-     part_tokens, facts) = cached_prefix_table(cu_seqlens, prefix_of, num_tokens,
-                                               config["BLOCK"], config["STEP"])
+     part_tokens, split_tile, facts) = cached_prefix_table(cu_seqlens, prefix_of, num_tokens,
+                                                           config["BLOCK"], config["STEP"])
     splits = prefix_dkdv_splits(facts, num_heads_k, groups, q.device)
-    part = torch.empty(2, splits, facts[0], num_heads_k, head_dim, dtype=torch.float32,
-                       device=q.device)  # the splits' dk, dv sums of the prefixes' rows
+    extra = (splits - 1) * facts[1] * num_heads_k  # the prefixes' tiles' splits 1..
+    part = torch.empty(2, splits, facts[0] if splits > 1 else 0, num_heads_k, head_dim,
+                       dtype=torch.float32, device=q.device)  # the splits' dk, dv sums
     common = dict(HEAD_DIM=padded, EVEN_D=padded == head_dim, IEEE=dtype == "fp32")
     with _device_guard(q):
         block_t = kernels.PREPROCESS_BLOCK_T
@@ -499,17 +509,18 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
             delta.stride(0), num_tokens, head_dim, BLOCK_T=block_t,
             BLOCK_D=kernels.PREPROCESS_BLOCK_D, num_warps=4, num_stages=1)
         prefix_kernels.varlen_attention_prefix_backward_dkdv_kernel[
-            (slots * num_heads_k * splits,)](
+            (extra + slots * num_heads_k,)](
             q, k, v, dout, lse, delta, dq_arg, dk_t, dv_t, part[0], part[1], bounds,
-            tile_sequence, tile_block, query_ptr, query_row, query_count, part_row,
+            tile_sequence, tile_block, query_ptr, query_row, query_count, part_row, split_tile,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), *dq_strides, dk_t.stride(0),
             dk_t.stride(1), dv_t.stride(0), dv_t.stride(1), delta.stride(0),
             part.stride(1), part.stride(2), part.stride(3),
-            num_heads_k, groups, splits, head_dim, float(scale),
+            num_heads_k, groups, splits, extra, head_dim, float(scale),
             BLOCK=config["BLOCK"], STEP=config["STEP"], ATOMIC_DQ=dq_acc is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"], **common)
-        _add_splits(part, part_tokens, scale, dk_t, dv_t)
+        if splits > 1:
+            _add_splits(part, part_tokens, scale, dk_t, dv_t)
         if dq_acc is not None:
             dq_t.copy_(dq_acc.mul_(scale))
         else:
@@ -531,8 +542,8 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
 def _add_splits(part: torch.Tensor, part_tokens: torch.Tensor, scale: float, dk: torch.Tensor,
                 dv: torch.Tensor) -> None:
     """The prefixes' rows of ``dk``, ``dv`` ([T, Hk, D]): the splits' float32 sums
-    (``part[2, splits, R, Hk, D]``) added over splits (a reduction of a fixed shape: the same
-    bits every run), dk scaled, written at ``part_tokens[R]``."""
+    (``part[2, splits, R, Hk, D]``) added (a reduction of a fixed shape, in a fixed order: the
+    same bits every run), dk scaled, written at ``part_tokens[R]``."""
     if part_tokens.numel() == 0:
         return
     sums = part.sum(1)

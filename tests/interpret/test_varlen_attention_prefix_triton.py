@@ -80,14 +80,14 @@ def test_deterministic_backward_is_bitwise_reproducible_and_agrees_with_the_atom
         monkeypatch):
     """The deterministic backward twice on poisoned gradients: the same bits, within the
     oracle's tolerance; the atomic backward's dk/dv are the same kernel's in the same order
-    (bitwise equal), its dq (float32 atomics) agrees to rounding. GQA 4:1, several suffixes
+    (bitwise equal), its dq (float32 atomics) agrees to rounding. GQA 4:2, several suffixes
     across blocks, each prefix tile's dk/dv split over 8 programs (more chunks than some
     tiles' lists: empty chunks too; the other tests run the launcher's own choice, 1 on the
     small layouts and 2-4 on ``BLOCKS``)."""
     monkeypatch.setattr(triton_launcher, "prefix_dkdv_splits", lambda *args: 8)
-    layout = BLOCKS
-    first, _ = run_case(layout, torch.bfloat16, (4, 1), seed=10, deterministic=True)
-    q, k, v, cu, prefix_of, max_seqlen, dout = make_case(layout, 4, 1, torch.bfloat16, seed=10)
+    layout = BLOCKS  # its 9-token prefix with 2 heads a group: 6 entries, so 2 empty chunks
+    first, _ = run_case(layout, torch.bfloat16, (4, 2), seed=10, deterministic=True)
+    q, k, v, cu, prefix_of, max_seqlen, dout = make_case(layout, 4, 2, torch.bfloat16, seed=10)
     q, k, v = (x.detach() for x in (q, k, v))
     out, lse = first[:2]
     for deterministic in (True, False):
@@ -120,9 +120,12 @@ def test_dkdv_table_packs_the_prefixes_rows():
     cu = cu_seqlens_of(lengths)
     table = triton_launcher.prefix_dkdv_table(cu, torch.tensor(parents, dtype=torch.int32),
                                               sum(lengths), 2, 2)
-    part_row, part_tokens, facts = table[7:]
+    tile_sequence, tile_block = table[1:3]
+    part_row, part_tokens, split_tile, facts = table[7:]
     # prefixes: segment 0 (tokens 0-3, tiles 0-1 of 2) and segment 2 (tokens 9-11, 2 tiles)
     assert part_tokens.tolist() == [0, 1, 2, 3, 9, 10, 11]
+    tiles = {(tile_sequence[t].item(), tile_block[t].item()) for t in split_tile.tolist()}
+    assert tiles == {(1, 0), (1, 1), (3, 0), (3, 1)}  # (sequences of the table: segment + 1)
     assert part_row.tolist()[1] == 0 and part_row.tolist()[3] == 4
     assert facts == (7, 4, 4)  # rows, tiles, most suffix blocks (segment 0: 3 + 1)
 
@@ -213,5 +216,5 @@ def test_tables_are_built_once_per_pair_of_tensors():
     prefix_of[2] = -1  # in place: the cached tables no longer describe it
     fresh = cached_prefix_table(cu, prefix_of, 16, 64)
     assert fresh is not first and fresh[1].tolist() == [-1, -1, 1, -1, -1]
-    assert len(cached_prefix_table(cu, prefix_of, 16, 64, 32)) == 10  # dk/dv: with the splits'
+    assert len(cached_prefix_table(cu, prefix_of, 16, 64, 32)) == 11  # dk/dv: with the splits'
 
