@@ -264,9 +264,10 @@ def label(cell: str, setting: dict) -> str:
 
 def table(groups, setting: dict) -> list[str]:
     lines = ["| task | cell | seeds | warm-start | final held out: mean ± sd (min-max) | gain | "
+             "curve mean (steps > 0) | first step >= 0.9 | "
              "sampled tokens / step | context tokens / step | sub-traces / rollout | "
              "critic pre-training sampled tokens | run wall s (mean) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (task, cell), rows in groups.items():
         final = [r["final_success"] for r in rows]
         warm = [r["warmstart_success"] for r in rows]
@@ -274,12 +275,27 @@ def table(groups, setting: dict) -> list[str]:
             f"| {task} | {label(cell, setting)} | {seed_list(r['seed'] for r in rows)} | "
             f"{statistics.fmean(warm):.3f} | {spread(final)} | "
             f"{statistics.fmean(final) - statistics.fmean(warm):+.3f} | "
+            f"{statistics.fmean(curve_mean(r) for r in rows):.3f} | "
+            f"{first_reaching(rows, 0.9)} | "
             f"{statistics.fmean(r['sampled_tokens_per_step'] for r in rows):.0f} | "
             f"{statistics.fmean(r['context_tokens_per_step'] for r in rows):.0f} | "
             f"{statistics.fmean(r['sub_traces_per_rollout'] for r in rows):.1f} | "
             f"{statistics.fmean(r['critic_warmup_sampled_tokens'] for r in rows):.0f} | "
             f"{statistics.fmean(r['wall_seconds'] for r in rows):.0f} |")
     return lines
+
+
+def curve_mean(row: dict) -> float:
+    """The mean held-out success over a run's periodic evaluations after step 0 (how fast it
+    learns, not only where it ends)."""
+    return statistics.fmean(p[1] for p in row["curve"] if p[0] > 0)
+
+
+def first_reaching(rows: list[dict], level: float) -> str:
+    """Per seed, the first evaluated step whose held-out success is at least ``level`` (``-``:
+    never)."""
+    firsts = [next((str(p[0]) for p in sorted(r["curve"]) if p[1] >= level), "-") for r in rows]
+    return " / ".join(firsts)
 
 
 def curve_stats(rows: list[dict]) -> list[tuple[int, float, float, float]]:
