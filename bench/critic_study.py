@@ -65,7 +65,8 @@ TASKS = {"default": "configs/default.yaml", "long": "configs/long_horizon.yaml"}
 ROLLOUTS_PER_STEP = 32  # every cell: tasks per step x samples per task
 CELLS = {  # name: (label, overrides); "{alpha}" and "{warmup}" come from the arguments
     "grpo": ("GRPO 8x4", ["train.algo=grpo"]),
-    "ppo": ("PPO 8x4, lam 1", ["train.algo=ppo"]),
+    "ppo": ("PPO 8x4, lam 1", ["train.algo=ppo", "train.lam=1.0", "train.lam_alpha=null",
+                               "train.critic_lam=null"]),
     "ppo-a0.05": ("PPO 8x4, alpha 0.05", ["train.algo=ppo", "train.lam_alpha=0.05",
                                           "train.critic_lam=1.0"]),
     "ppo-a1.5": ("PPO 8x4, alpha 1.5", ["train.algo=ppo", "train.lam_alpha=1.5",

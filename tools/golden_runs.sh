@@ -12,10 +12,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(mktemp -d)
-# The expert and target before the habitual careless expert became the default (issue 46).
+# The expert, target and lambdas before the habitual careless expert and the adaptive lambda
+# became the default (issue 46).
 args=(--steps 3 --set warmstart.steps=50 --set train.share_prefixes=false --no-progress
       --set warmstart.expert_save_probability=1.0 --set warmstart.expert_careless_vaults=1.0
-      --set warmstart.target_success=0.6)
+      --set warmstart.target_success=0.6 --set train.lam_alpha=null
+      --set train.critic_lam=null)
 OMP_NUM_THREADS=2 python -m agentrl_fast.cli train --run-dir "$out/one" "${args[@]}" > "$out/one.log"
 OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \
   -m agentrl_fast.cli train --run-dir "$out/two" "${args[@]}" > "$out/two.log" 2>&1

@@ -209,8 +209,15 @@ def _main_job_train() -> TrainConfig:
         critic_lr=3e-3,
         # Lambda 1 through compactions: every action token's advantage is its rollout's
         # return minus the critic's value there, so the one final reward reaches every
-        # sub-trace (docs/experiments.md).
+        # sub-trace (docs/experiments.md); the policy's lambda is now lam_alpha's (below).
         lam=1.0,
+        # The length-adaptive lambda (CompactionRL's alpha 1.5) for the policy's advantages:
+        # in the critic study it matched or beat lambda 1 and GRPO on every seed of the
+        # default task and on the long-horizon one's hardest seed
+        # (bench/results/critic_study.md; alpha 0.05 learned slower).
+        lam_alpha=1.5,
+        # The critic's targets keep lambda 1: the final reward carried to every sub-trace.
+        critic_lam=1.0,
         # Each episode counts once, whatever its length: token-mean let long looping failures
         # outweigh short successes (docs/experiments.md).
         loss_agg_mode="rollout-mean",
