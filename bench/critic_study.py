@@ -232,7 +232,7 @@ def run_all(args, setting: dict) -> None:
                 if not (run_dir / "summary.txt").exists():
                     train_cell(task, cell, seed, run_dir, overrides)
                 row = make_row(task, cell, seed, run_dir, setting, warm)
-                lock_path = args.out.parent / f".{args.out.name}.lock"
+                lock_path = ROOT / "runs" / f".{args.out.name}.lock"  # (git ignores runs/)
                 with open(lock_path, "w") as lock:  # parts may run side by side
                     fcntl.flock(lock, fcntl.LOCK_EX)
                     append_row(row, args.out)
@@ -297,6 +297,20 @@ def first_reaching(rows: list[dict], level: float) -> str:
     never)."""
     firsts = [next((str(p[0]) for p in sorted(r["curve"]) if p[1] >= level), "-") for r in rows]
     return " / ".join(firsts)
+
+
+def seed_table(groups, setting: dict) -> list[str]:
+    """Each seed's final held-out success (and curve mean) per cell: the cells of one task
+    share each seed's warm-start, so a column compares them paired."""
+    seeds = sorted({r["seed"] for rows in groups.values() for r in rows})
+    lines = ["| task | cell | " + " | ".join(f"seed {s}: final (curve mean)" for s in seeds)
+             + " |", "| --- | --- | " + " | ".join("---" for _ in seeds) + " |"]
+    for (task, cell), rows in groups.items():
+        by_seed = {r["seed"]: r for r in rows}
+        cells = [f"{by_seed[s]['final_success']:.3f} ({curve_mean(by_seed[s]):.3f})"
+                 if s in by_seed else "" for s in seeds]
+        lines.append(f"| {task} | {label(cell, setting)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def curve_stats(rows: list[dict]) -> list[tuple[int, float, float, float]]:
@@ -378,7 +392,8 @@ def report(setting: dict, out: Path, command: str | None = None) -> None:
              "", f"![held-out success against RL step]({out.name}.png)" if groups else
              "No runs recorded: no figure yet.", "", "## Results", ""]
     if groups:
-        lines += [*table(groups, setting), "", *curve_table(groups, setting), "",
+        lines += [*table(groups, setting), "", *seed_table(groups, setting), "",
+                  *curve_table(groups, setting), "",
                   f"Warm-starts (one per task and seed, shared by its cells): "
                   f"{statistics.fmean(warm_s):.0f} s mean. Run wall time: the RL phase, the "
                   "critic pre-training, the step-0, periodic and final evaluations. Sampled "
