@@ -36,7 +36,7 @@ def test_the_index_lists_every_file_and_links_only_files_that_exist():
     assert all((RESULTS / link).is_file() for link in links), links
     assert set(index.result_files(RESULTS)) <= links
     main_job = text.split("## `main_job.md`", 1)[1].split("\n## ", 1)[0]
-    assert "seeds 0-4" in main_job and "mean 0.991" in main_job
+    assert "seeds 0-4" in main_job and "mean 0.995" in main_job
 
 
 def _copy(tmp_path: Path) -> Path:
@@ -74,9 +74,9 @@ def test_a_file_no_record_owns_and_a_record_without_a_summary_fail(tmp_path, cap
 def test_a_main_job_summary_that_disagrees_with_its_runs_fails(tmp_path, capsys):
     results = _copy(tmp_path)
     text = (results / "main_job.md").read_text()
-    (results / "main_job.md").write_text(text.replace("0.991", "0.825"))
+    (results / "main_job.md").write_text(text.replace("0.995", "0.825"))
     assert index.main(["--check", "--results", str(results)]) == 1
-    assert "does not state PPO's mean 0.991" in capsys.readouterr().err
+    assert "does not state PPO's mean 0.995" in capsys.readouterr().err
 
 
 def test_a_benchmark_rewriting_its_record_keeps_the_header(tmp_path):
