@@ -19,7 +19,8 @@ In one run:
    CPU: ``native`` (its own prefix kernels), ``native+generic`` (the generic LSE-merge path
    over native's plain kernels: native registered again here without its prefix kernels, so
    its cross pass is the float32 reference one), ``cpu_flash`` (the generic path, torch's flash
-   kernel as the cross pass). CUDA: ``triton`` (its own prefix kernels), ``torch`` and
+   kernel as the cross pass). CUDA: ``triton`` (its own prefix kernels), ``triton+1split``
+   (the same with each prefix tile's dk/dv in one program: what the split buys), ``torch`` and
    ``flash_attn`` (the generic path over their raw varlen kernels). Inputs are random normal on
    the shared rows; the unshared packing's are gathered from them (``rows``), so both compute
    the same function: their outputs are compared before anything is timed.
@@ -78,6 +79,7 @@ from dataclasses import dataclass
 import torch
 
 import common  # bench/ is the script's folder: first on sys.path
+from agentrl_fast.ops import varlen_attention_triton as triton_launcher
 from agentrl_fast.ops.varlen_attention import (BACKENDS, available_backends, register_backend,
                                                varlen_attention)
 
@@ -275,13 +277,36 @@ def generic_backend(name: str) -> str:
     return generic
 
 
+def one_split_backend(name: str = "triton") -> str:
+    """``triton+1split``: the Triton prefix kernels with each prefix key tile's dk/dv in one
+    program (``prefix_dkdv_splits`` held at 1 during its backward), timed beside ``triton`` to
+    show what the split buys."""
+    variant = f"{name}+1split"
+    if variant not in BACKENDS:
+        backward = BACKENDS[name].prefix_backward
+
+        def one_split(*args) -> None:
+            chosen = triton_launcher.prefix_dkdv_splits
+            triton_launcher.prefix_dkdv_splits = lambda *_: 1
+            try:
+                backward(*args)
+            finally:
+                triton_launcher.prefix_dkdv_splits = chosen
+
+        register_backend(dataclasses.replace(BACKENDS[name], name=variant,
+                                             prefix_backward=one_split))
+    return variant
+
+
 def op_backends(device: torch.device, reference_ok: bool) -> list[str]:
-    """The backends timed: every available one (the reference only when ``reference_ok``), and
-    on the CPU native's generic path too."""
+    """The backends timed: every available one (the reference only when ``reference_ok``), on
+    the CPU native's generic path too, on CUDA triton with one dk/dv split too."""
     names = [n for n in available_backends(device) if "+" not in n
              and (n != "reference" or reference_ok)]
     if device.type == "cpu" and "native" in names and BACKENDS["native"].prefix_forward:
         names.insert(names.index("native") + 1, generic_backend("native"))
+    if device.type == "cuda" and "triton" in names:
+        names.insert(names.index("triton") + 1, one_split_backend("triton"))
     return names
 
 
