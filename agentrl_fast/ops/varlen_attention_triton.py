@@ -543,9 +543,8 @@ def _add_splits(part: torch.Tensor, part_tokens: torch.Tensor, scale: float, dk:
                 dv: torch.Tensor) -> None:
     """The prefixes' rows of ``dk``, ``dv`` ([T, Hk, D]): the splits' float32 sums
     (``part[2, splits, R, Hk, D]``) added (a reduction of a fixed shape, in a fixed order: the
-    same bits every run), dk scaled, written at ``part_tokens[R]``."""
-    if part_tokens.numel() == 0:
-        return
+    same bits every run), dk scaled, written at ``part_tokens[R]`` (R > 0: a split needs a
+    prefix tile)."""
     sums = part.sum(1)
     dk.index_copy_(0, part_tokens, (sums[0] * scale).to(dk.dtype))
     dv.index_copy_(0, part_tokens, sums[1].to(dv.dtype))
