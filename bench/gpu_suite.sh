@@ -14,7 +14,9 @@
 # (the sweep's choices, which the later stages use: commit the file as
 # agentrl_fast/kernels/tuned_configs.json), rows.jsonl (every benchmark's rows; a benchmark cut off
 # midway leaves its rows in <op>.jsonl), prefix_sharing.md (bench/bench_prefix_sharing.py's
-# record: shared against plain packing, beside the FLOP model's ideal), tests.log, sanitize.log.
+# record: shared against plain packing, beside the FLOP model's ideal), tests.log, sanitize.log,
+# probe.log and probe.jsonl (bench/attention_backward_probe.py --set suite: which backward
+# launches, under which ptxas, give the right gradients).
 # Exit status: non-zero when a stage failed or timed out. A stage whose modules the preflight
 # could not import is skipped with the reason (not a failure of the suite); a stage with under
 # 10 s of the suite left is skipped and counts as failed.
@@ -35,6 +37,7 @@ plan() {
   done
   printf '%-24s %4ss (SUITE_SECONDS %s)\n' total "$total" "${SUITE_SECONDS:-540}"
   echo "warm_triton_cache runs in the background from the end of build (no cap of its own)"
+  echo "probe_backward too, in a full run (its own cap of 300s; probe.log, probe.jsonl)"
 }
 
 usage() {
@@ -214,6 +217,18 @@ sanitize() {
   return $rc
 }
 
+probe_backward() {
+  # The attention backward's launches against float64 (bench/attention_backward_probe.py; its
+  # rows in probe.jsonl), each in its own process, beside the stages from the end of build:
+  # niced, 6 at a time. The dry run takes the interpreter's one-job plumbing check.
+  local set=suite
+  if [ "$DEVICE" = cpu ]; then set=dry; export TRITON_INTERPRET=1; fi
+  timeout --kill-after=10 $(( 300 * CAP_SCALE )) nice -n 15 "$PYTHON" \
+    bench/attention_backward_probe.py --set "$set" --workers 6 --out "$OUT/probe.jsonl" \
+    >> "$OUT/probe.log" 2>&1
+  echo "probe_backward: exit $?" >> "$OUT/probe.log"
+}
+
 warm_triton_cache() {
   # Triton JIT-compiles each kernel configuration at its first launch; compiling the benchmarks'
   # and the GPU tests' configurations in parallel processes now takes that off the stages.
@@ -252,13 +267,16 @@ run_stage() {
 export DEVICE PYTHON OUT TINY_FLAG="${TINY[*]:-}"
 export -f preflight build tune bench bench_compiled gpu_tests sanitize
 WARM_PID=
+PROBE_PID=
 for entry in "${STAGES[@]}"; do
   run_stage "${entry%%:*}"
   if [ "${entry%%:*}" = build ] && ! grep -q "^build: \(FAILED\|TIMED\)" "$OUT/summary.txt"; then
     warm_triton_cache & WARM_PID=$!
+    if [ -z "$ONLY" ]; then probe_backward & PROBE_PID=$!; fi  # (a full run's only)
   fi
 done
-[ -n "$WARM_PID" ] && wait "$WARM_PID"  # (its own timeout ends it)
+[ -n "$WARM_PID" ] && wait "$WARM_PID"  # (their own timeouts end them)
+[ -n "$PROBE_PID" ] && wait "$PROBE_PID"
 
 echo "gpu_suite: $([ $FAILED -eq 0 ] && echo all stages passed || echo SOME STAGES FAILED)" | tee -a "$OUT/summary.txt"
 exit $FAILED

@@ -52,6 +52,10 @@ def test_the_whole_suite_dry_runs_on_the_cpu(dry_run, background_result):
     ops = {json.loads(row)["op"] for row in rows}
     assert {"gae", "varlen_attention", "token_logprobs", "ppo_loss"} <= ops, ops
     assert "warm_triton_cache: exit 0" in (out / "warm.log").read_text()
+    # the backward probe ran beside the stages: its jobs right under the interpreter
+    probe = [json.loads(row) for row in (out / "probe.jsonl").read_text().splitlines()]
+    assert probe and all(row["verdict"] == "ok" for row in probe), probe
+    assert "probe_backward: exit 0" in (out / "probe.log").read_text()
 
 
 def load_preflight():

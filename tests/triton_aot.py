@@ -190,6 +190,22 @@ def divisible_arguments(ttir: str) -> int:
     return match.group(1).count("tt.divisibility") if match else 0
 
 
+def narrow_mma_stores(ttgir: str) -> list[str]:
+    """The wgmma results stored to shared memory with a swizzle under 128 bytes (a
+    ``ttg.local_alloc`` from a version-3 ``nvidia_mma`` layout into an ``nvmma_shared`` one
+    swizzled by 32 or 64 bytes: an N of 16 or 32 in 16-bit types), as ``"128x32 swizzle 64"``.
+    On the H200 under triton 3.6 exactly the launches with such a store gave a wrong dq (D 128
+    and 256) or an illegal memory access (D 64 at STEP 16 and 32), and none without one did
+    (docs/experiments.md, "The first GPU run"): a shipped configuration must have none."""
+    mma = set(re.findall(r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 3\b", ttgir, re.M))
+    swizzle = dict(re.findall(r"^(#shared\d*) = #ttg\.nvmma_shared<\{swizzlingByteWidth = (\d+)",
+                              ttgir, re.M))
+    stores = re.findall(r"ttg\.local_alloc %[\w.#]+ : \(tensor<([\dx]+)x\w+, (#mma\d*)>\) -> "
+                        r"!ttg\.memdesc<[\dx]+x\w+, (#shared\d*)", ttgir)
+    return [f"{shape} swizzle {swizzle[shared]}" for shape, layout, shared in stores
+            if layout in mma and shared in swizzle and int(swizzle[shared]) < 128]
+
+
 def failure_reasons(row: dict, allow_spills: bool) -> list[str]:
     """Why a compiled configuration fails: the launch hints did not reach the compile, ptxas
     failed, it spills where the spec does not allow it, or it needs more shared memory than an
@@ -202,6 +218,10 @@ def failure_reasons(row: dict, allow_spills: bool) -> list[str]:
         reasons.append("ptxas failed")
     if row.get("spill_bytes") and not allow_spills:
         reasons.append(f"spills {row['spill_bytes']} bytes (the spec does not allow spills)")
+    if row.get("narrow_mma_stores"):
+        reasons.append("stores a wgmma result to shared memory with a narrow swizzle ("
+                       + ", ".join(row["narrow_mma_stores"]) + "): wrong on the H200 under "
+                       "triton 3.6 (narrow_mma_stores)")
     if row.get("shared_bytes", 0) > SM90_SHARED_BYTES:
         reasons.append(f"needs {row['shared_bytes']} bytes of shared memory, over the sm_90 "
                        f"limit of {SM90_SHARED_BYTES}")
@@ -260,7 +280,8 @@ def compile_spec(spec: dict) -> dict:
     else:
         row.update(ptxas_report(ptx))
     row.update(shared_bytes=compiled.metadata.shared, hinted_args=len(source.attrs),
-               divisible_args=divisible_arguments(compiled.asm["ttir"]), **ptx_counts(ptx))
+               divisible_args=divisible_arguments(compiled.asm["ttir"]),
+               narrow_mma_stores=narrow_mma_stores(compiled.asm["ttgir"]), **ptx_counts(ptx))
     # A configuration may declare "allow_spills": True (e.g. a backward whose spills are
     # recorded in bench/results/ rather than forbidden); everything else must not spill.
     reasons = failure_reasons(row, row["allow_spills"])

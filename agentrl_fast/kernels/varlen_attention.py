@@ -103,21 +103,21 @@ def backward_config(dtype: str, head_dim: int) -> dict:
 
 
 def default_backward_config(dtype: str, padded: int) -> dict:
-    """Hinted compiles under triton 3.6 (bench/results/triton_compile.md): the largest shapes
-    without spills in bf16/fp16 at D 64 and 128 with the atomic dq. D 64: 64 x 64 with one
-    warpgroup (all wgmma m64n64k16; 128 keys x 8 warps splits dq's M = 64 into m64n32);
-    D 128: 128 keys x 32 queries with 8 warps (each warpgroup owns 64 keys; 64-query blocks
-    spill 56-148 bytes). With the flattened loop these compile without spills pipelined too
-    (num_stages 2: 239 / 254 registers): 1 stage until a GPU times them (the sweep does)."""
+    """Hinted sm_90 compiles (bench/results/triton_compile.md). In bf16/fp16 ``STEP`` is 64:
+    the atomic dq's ``K^T dS^T`` takes ``dS^T`` ([BLOCK, STEP], a wgmma result) from shared
+    memory, and with STEP 16 or 32 triton stores it there with a 32- or 64-byte swizzle, the
+    store that every wrong or crashing launch on the H200 had (triton 3.6; ``tests/triton_aot.py``
+    fails a configuration with one, ``narrow_mma_stores``). D 64: 64 x 64 with one warpgroup
+    (all wgmma m64n64k16), 1 stage, right on the H200. D 128: 64 x 64 with 8 warps, 2 stages
+    (cp.async loads of q and dO; 1 stage spills 16 bytes, 128 keys 140). D 256: the same
+    (spills about 250 bytes, as its STEP-32 predecessor did)."""
     if dtype == "fp32":  # IEEE fp32 products take no wgmma; spills allowed (not a hot path)
         if padded <= 64:
             return dict(BLOCK=64, STEP=32, num_warps=8, num_stages=1)
         return dict(BLOCK=32, STEP=16, num_warps=8, num_stages=1)
     if padded <= 64:
         return dict(BLOCK=64, STEP=64, num_warps=4, num_stages=1)
-    if padded == 128:
-        return dict(BLOCK=128, STEP=32, num_warps=8, num_stages=1)
-    return dict(BLOCK=64, STEP=32, num_warps=8, num_stages=1)
+    return dict(BLOCK=64, STEP=64, num_warps=8, num_stages=2)
 
 
 def backward_dq_config(dtype: str, head_dim: int) -> dict:

@@ -97,10 +97,12 @@ def _unavailable(device: torch.device) -> str | None:
 
 
 # The largest padded head dim whose backward a GPU has shown right. On an H200 (triton 3.6) the
-# backward at 128 and 256 (their launches of 8 warps) gave a wrong dq while 64 and below were
-# right (docs/experiments.md, "The first GPU run"): refused on a GPU when a gradient is needed,
-# so `auto` falls back to torch's flash kernels, until a GPU run shows a fix
-# (bench/attention_backward_probe.py). The forward alone is right there and stays.
+# backward at 128 and 256 gave a wrong dq while 64 and below were right (docs/experiments.md,
+# "The first GPU run"): those launches stored dS^T with a 64-byte swizzle, which their new
+# launches avoid (default_backward_config), not yet run on a GPU. Refused on a GPU when a
+# gradient is needed, so `auto` falls back to torch's flash kernels, until a GPU run shows them
+# right (bench/attention_backward_probe.py, a stage of bench/gpu_suite.sh). The forward alone is
+# right there and stays.
 GPU_CHECKED_BACKWARD_HEAD_DIM = 64
 
 
