@@ -85,6 +85,30 @@ def test_failure_reasons():
     assert triton_aot.failure_reasons(_row(ptxas_ok=False), False) == ["ptxas failed"]
     [reason] = triton_aot.failure_reasons(_row(hinted_args=3, divisible_args=0), False)
     assert "0 arguments divisible by 16 in the TTIR, 3 hinted" == reason
+    [reason] = triton_aot.failure_reasons(_row(narrow_mma_stores=["128x32 swizzle 64"]), True)
+    assert "narrow swizzle (128x32 swizzle 64)" in reason  # spills allowed or not
+
+
+# The layouts and stores of a D 128 backward's TTGIR (triton 3.6 / 3.8, shortened): the wgmma
+# result dS^T stored with a 64-byte swizzle (%ds), a loaded tile with 128 (%k), and a wgmma
+# result in a 128-byte layout (%ok).
+TTGIR = """#blocked = #ttg.blocked<{sizePerThread = [1, 8], threadsPerWarp = [2, 16], warpsPerCTA = [8, 1], order = [1, 0]}>
+#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [8, 1], instrShape = [16, 32, 16]}>
+#mma1 = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [1, 8], instrShape = [16, 8]}>
+#shared = #ttg.nvmma_shared<{swizzlingByteWidth = 128, transposed = false, elementBitWidth = 16}>
+#shared2 = #ttg.nvmma_shared<{swizzlingByteWidth = 64, transposed = false, elementBitWidth = 16}>
+#shared3 = #ttg.swizzled_shared<{vec = 8, perPhase = 1, maxPhase = 8, order = [1, 0]}>
+    %k_1 = ttg.local_alloc %k : (tensor<128x128xbf16, #blocked>) -> !ttg.memdesc<128x128xbf16, #shared, #smem> loc(#loc1)
+    %ds_2 = ttg.local_alloc %ds : (tensor<128x32xbf16, #mma>) -> !ttg.memdesc<128x32xbf16, #shared2, #smem> loc(#loc2)
+    %ok_3 = ttg.local_alloc %ok : (tensor<64x64xbf16, #mma>) -> !ttg.memdesc<64x64xbf16, #shared, #smem> loc(#loc3)
+    %v2_4 = ttg.local_alloc %v2 : (tensor<32x128xbf16, #mma1>) -> !ttg.memdesc<32x128xbf16, #shared3, #smem> loc(#loc4)
+"""
+
+
+def test_narrow_mma_stores_finds_a_wgmma_result_stored_with_a_narrow_swizzle():
+    assert triton_aot.narrow_mma_stores(TTGIR) == ["128x32 swizzle 64"]
+    wide = TTGIR.replace("swizzlingByteWidth = 64", "swizzlingByteWidth = 128")
+    assert triton_aot.narrow_mma_stores(wide) == []
 
 
 TTIR = """module {

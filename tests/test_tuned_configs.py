@@ -107,13 +107,13 @@ def test_sweep_skips_and_extra_candidates():
     import tune_kernels
 
     target = next(t for t in tune_kernels.TARGETS
-                  if (t.op, t.key) == ("varlen_attention_backward", "bf16_d128"))
-    default = {"BLOCK": 128, "STEP": 32, "num_warps": 8, "num_stages": 1}
+                  if (t.op, t.key) == ("varlen_attention_backward", "bf16_d64"))
+    default = {"BLOCK": 64, "STEP": 64, "num_warps": 4, "num_stages": 1}
     got = tune_kernels.candidates(default, target=target)
     assert got[0] == default and len(got) == len({json.dumps(c, sort_keys=True) for c in got})
     moves = [c for c in got[1:] if sum(c[k] != default[k] for k in default) == 1]
-    assert {**default, "BLOCK": 32} not in got and {**default, "num_warps": 4} not in got
-    assert {**default, "num_stages": 2} in moves
+    assert {**default, "BLOCK": 32} not in got and {**default, "BLOCK": 128} not in got
+    assert {**default, "num_stages": 2} in moves and {**default, "num_warps": 8} in moves
     extras = got[1 + len(moves):]  # after the coordinate moves, several parameters moved
     assert extras == tune_kernels.extra_configs(target.op, target.key, default)
     assert extras and all(c["num_stages"] > 1 and sum(c[k] != default[k] for k in default) > 1
@@ -124,6 +124,18 @@ def test_sweep_skips_and_extra_candidates():
     assert {**default, "BLOCK": 32} in plain
     assert all(sum(c[k] != default[k] for k in default) == 1 for c in plain[1:])
     assert all(len(t) <= 3 for t in tune_kernels.EXTRA.values())
+
+
+def test_no_backward_candidate_stores_ds_with_a_narrow_swizzle():
+    """STEP below 64 stores the atomic dq's dS^T with a narrow swizzle (wrong or crashing on the
+    H200; tests/triton_aot.py's narrow_mma_stores): no backward candidate of the sweep has one."""
+    import tune_kernels
+
+    for target in tune_kernels.TARGETS:
+        if target.kind == "attention_backward":
+            default = tune_kernels.default_config(target)
+            assert all(c["STEP"] >= 64
+                       for c in tune_kernels.candidates(default, target=target)), target
 
 
 def test_aot_compiles_the_sweep_extras():
