@@ -383,6 +383,39 @@ def test_cuda_backend_matches_unshared_float64(case, backend):
                           f"(kernels of {backend} on cuda)")
 
 
+# One prefix of several key tiles and suffixes of several query blocks (and none), a plain
+# sequence after them: on a GPU the prefix's dk/dv tiles are split over several programs.
+SPLIT_LAYOUT = ([300, 70, 1, 129, 0, 64, 33, 50], [-1, 0, 0, 0, 0, 0, 0, -1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_triton_prefix_kernels_split_a_prefix_across_programs(head_dim, deterministic):
+    """Triton's own prefix kernels on CUDA at the hot head dims, with each prefix tile's dk/dv
+    split over several programs (the float32 sums added in a fixed order), against the oracle;
+    where a GPU has not shown the backward right, its refusal."""
+    from agentrl_fast.kernels import varlen_attention as kernels
+    from agentrl_fast.ops import varlen_attention_triton as launcher
+
+    cuda_backend("triton")
+    q, k, v, cu, prefix_of, max_seqlen, dout = make_case(SPLIT_LAYOUT, 4, 2, torch.bfloat16,
+                                                         seed=52, device="cuda",
+                                                         head_dim=head_dim)
+    if head_dim > launcher.GPU_CHECKED_BACKWARD_HEAD_DIM:
+        with pytest.raises(ValueError, match=f"its backward at head_dim {head_dim}"):
+            varlen_attention(q, k, v, cu, max_seqlen, prefix_of=prefix_of, backend="triton")
+        return
+    config = kernels.backward_config("bf16", head_dim)
+    facts = launcher.prefix_dkdv_table(cu, prefix_of, q.shape[0], config["BLOCK"],
+                                       config["STEP"])[-1]
+    assert launcher.prefix_dkdv_splits(facts, 2, 2, q.device) > 1
+    results = run_public(q, k, v, cu, prefix_of, max_seqlen, dout, "triton",
+                         deterministic=deterministic)
+    assert_matches_oracle(results, q, k, v, SPLIT_LAYOUT, head_dim ** -0.5, dout,
+                          f"(triton on cuda, D {head_dim}, deterministic={deterministic})")
+
+
 @pytest.mark.gpu
 def test_cuda_garbage_prefix_of_does_not_crash():
     """validate=False with garbage prefix_of on CUDA: no crash, no device fault."""
