@@ -26,8 +26,8 @@ from test_varlen_attention import (DTYPES, assert_within, attention_in_dtype, cu
                                    cuda_backend, max_error)
 
 from agentrl_fast.ops import varlen_attention
-from agentrl_fast.ops._varlen_attention_prefix import (generic_kernels, prefix_kernels,
-                                                       prefix_layout)
+from agentrl_fast.ops._varlen_attention_prefix import (cached_prefix_layout, generic_kernels,
+                                                       prefix_kernels, prefix_layout)
 from agentrl_fast.ops.reference import varlen_attention_reference
 from agentrl_fast.ops.varlen_attention import BACKENDS
 
@@ -317,6 +317,17 @@ def test_layout_of_the_cross_pass():
     assert layout.groups == ((0, 4, 0, 4), (4, 9, 4, 7)) and (layout.max_q, layout.max_k) == (5, 4)
     nested = prefix_layout(cu_seqlens_of([2, 2, 2]), torch.tensor([-1, 0, 1], dtype=torch.int32), 6)
     assert nested.query_index.tolist() == [2, 3]  # segment 2's prefix is a suffix: read as -1
+
+
+def test_the_layout_is_built_once_per_pair_of_tensors():
+    """The generic path's layout (a host sync on a GPU) is kept per (cu_seqlens, prefix_of)
+    tensors, the layers of a step sharing it, and rebuilt when either changes in place."""
+    cu, prefix_of = cu_seqlens_of([4, 2, 3]), torch.tensor([-1, 0, 0], dtype=torch.int32)
+    first = cached_prefix_layout(cu, prefix_of, 9)
+    assert cached_prefix_layout(cu, prefix_of, 9) is first
+    assert cached_prefix_layout(cu.clone(), prefix_of, 9) is not first  # another tensor
+    prefix_of[2] = -1  # in place: the layout has one suffix fewer
+    assert cached_prefix_layout(cu, prefix_of, 9).query_index.tolist() == [4, 5]
 
 
 def test_torch_compile_fullgraph():

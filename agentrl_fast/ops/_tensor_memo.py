@@ -45,3 +45,23 @@ class TensorMemo:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class PairMemo:
+    """Facts about a pair of tensors (``cu_seqlens`` and ``prefix_of``), kept while both live
+    unmodified: ``get_or_build(first, second, fact, build)`` returns the fact, calling
+    ``build()`` once per pair, fact and versions."""
+
+    def __init__(self):
+        self._by_first = TensorMemo()
+
+    def get_or_build(self, first: torch.Tensor, second: torch.Tensor, fact, build):
+        by_second = self._by_first.get(first, "by_second")
+        if by_second is None:
+            by_second = TensorMemo()
+            self._by_first.put(first, "by_second", by_second)
+        value = by_second.get(second, fact)
+        if value is None:
+            value = build()
+            by_second.put(second, fact, value)
+        return value

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from agentrl_fast.ops._attention_backends import Backend
+from agentrl_fast.ops._tensor_memo import PairMemo
 
 # ---------------------------------------------------------------------------------------------
 # The layout of the cross pass.
@@ -105,6 +106,18 @@ def prefix_layout(cu_seqlens: torch.Tensor, prefix_of: torch.Tensor,
         cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device), groups=tuple(groups),
         max_q=max((g[1] - g[0] for g in groups), default=0),
         max_k=max((g[3] - g[2] for g in groups), default=0))
+
+
+# The layouts of (prefix_of, cu_seqlens) pairs: one host sync per pair of tensors, shared by the
+# layers of a forward and their backward (the Triton backend's tables are kept the same way).
+_LAYOUTS = PairMemo()
+
+
+def cached_prefix_layout(cu_seqlens: torch.Tensor, prefix_of: torch.Tensor,
+                         num_tokens: int) -> PrefixLayout:
+    """:func:`prefix_layout`, built once per (``cu_seqlens``, ``prefix_of``) tensors."""
+    return _LAYOUTS.get_or_build(prefix_of, cu_seqlens, num_tokens,
+                                 lambda: prefix_layout(cu_seqlens, prefix_of, num_tokens))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +317,7 @@ def generic_prefix_forward(passes: Passes, q, k, v, cu_seqlens, prefix_of, max_s
                            deterministic, out, lse):
     """``Backend.prefix_forward`` through the self pass, the cross pass and their merge."""
     passes.forward(q, k, v, cu_seqlens, max_seqlen, True, scale, deterministic, out, lse)
-    layout = prefix_layout(cu_seqlens, prefix_of, q.shape[0])
+    layout = cached_prefix_layout(cu_seqlens, prefix_of, q.shape[0])
     if not layout.groups:
         return
     rows, keys = layout.query_index, layout.key_index
@@ -320,7 +333,7 @@ def generic_prefix_backward(passes: Passes, dout, q, k, v, out, lse, cu_seqlens,
     (self part first, then the cross part, in float32)."""
     passes.backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, True, scale, deterministic,
                     dq, dk, dv)
-    layout = prefix_layout(cu_seqlens, prefix_of, q.shape[0])
+    layout = cached_prefix_layout(cu_seqlens, prefix_of, q.shape[0])
     if not layout.groups:
         return
     rows, keys = layout.query_index, layout.key_index

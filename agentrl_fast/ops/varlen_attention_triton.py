@@ -59,7 +59,7 @@ import os
 import torch
 
 from agentrl_fast.ops._attention_backends import MAX_HEAD_DIM, Backend
-from agentrl_fast.ops._tensor_memo import TensorMemo
+from agentrl_fast.ops._tensor_memo import PairMemo, TensorMemo
 
 try:
     import triton
@@ -420,25 +420,20 @@ def prefix_dkdv_splits(facts: tuple, num_heads_k: int, groups: int, device: torc
     return max(1, min(wanted, MAX_SPLITS, suffix_blocks * groups // MIN_SPLIT_ENTRIES))
 
 
-# prefix_of -> (cu_seqlens -> tables): built once per pair of tensors, like _TABLES.
-_PREFIX_TABLES = TensorMemo()
+# The tables of a (prefix_of, cu_seqlens) pair: built once per pair of tensors, like _TABLES.
+_PREFIX_TABLES = PairMemo()
 
 
 def cached_prefix_table(cu_seqlens: torch.Tensor, prefix_of: torch.Tensor, num_tokens: int,
                         block: int, step: int | None = None):
     """``prefix_tile_table`` (``step`` None) or ``prefix_dkdv_table``, computed once per
     (``cu_seqlens``, ``prefix_of``) tensors and arguments."""
-    by_cu_seqlens = _PREFIX_TABLES.get(prefix_of, "by_cu_seqlens")
-    if by_cu_seqlens is None:
-        by_cu_seqlens = TensorMemo()
-        _PREFIX_TABLES.put(prefix_of, "by_cu_seqlens", by_cu_seqlens)
-    fact = (num_tokens, block, step)
-    table = by_cu_seqlens.get(cu_seqlens, fact)
-    if table is None:
-        table = (prefix_tile_table(cu_seqlens, prefix_of, num_tokens, block) if step is None
-                 else prefix_dkdv_table(cu_seqlens, prefix_of, num_tokens, block, step))
-        by_cu_seqlens.put(cu_seqlens, fact, table)
-    return table
+    def build():
+        if step is None:
+            return prefix_tile_table(cu_seqlens, prefix_of, num_tokens, block)
+        return prefix_dkdv_table(cu_seqlens, prefix_of, num_tokens, block, step)
+
+    return _PREFIX_TABLES.get_or_build(prefix_of, cu_seqlens, (num_tokens, block, step), build)
 
 
 def _prefix_forward(q, k, v, cu_seqlens, prefix_of, max_seqlen, scale, deterministic, out, lse):
