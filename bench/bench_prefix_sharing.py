@@ -60,6 +60,7 @@ on CUDA each is timed by ``triton.testing.do_bench`` (median). Rows go to
 Usage (from the repository root)::
 
     python bench/bench_prefix_sharing.py [--device cpu|cuda] [--threads N] [--tiny] [--out DIR]
+        [--profile-ops]
 """
 
 from __future__ import annotations
@@ -449,9 +450,24 @@ def time_backend(inputs: OpInputs, layouts: Layouts, backend: str,
         del calls["plain"]
     difference = relative_difference(plain_out, shared_out, layouts.rows)
     times = paired_times(calls, device, args.rounds, args.max_seconds, warmup=False)
+    if args.profile_ops and device.type == "cuda":
+        profile_op(calls, backend, device)
     if plain is None:
         plain = plain_runs.setdefault(base, (plain_out, times["plain"]))[1]
     return OpResult(plain, times["shared"], layouts, backend, difference=difference)
+
+
+def profile_op(calls: dict[str, Callable[[], tuple]], backend: str, device: torch.device) -> None:
+    """Where one call's time goes on the GPU: its kernels by GPU time, and the host's time
+    (``--profile-ops``; after the timed calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in calls.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        print(f"  profile of {backend} {name}:")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
 
 
 def op_rows(results: list[OpResult], device: torch.device) -> list[common.Row]:
@@ -1173,6 +1189,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds after which nothing new starts (default none)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--profile-ops", action="store_true",
+                        help="on CUDA: a torch.profiler table of each op call's kernels")
     parser.add_argument("--profile", action="store_true",
                         help="print a torch.profiler table of each step's passes")
     parser.add_argument("--out", default=None,

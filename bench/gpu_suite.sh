@@ -256,7 +256,7 @@ run_stage() {
       # prefix-shared packing against the plain one (long prompts first; nothing new starts
       # after 30 s; the record is OUT/prefix_sharing.md, rewritten after each part)
       stage bench_prefix_sharing bench.log bench prefix_sharing --time-budget 30 \
-        --max-seconds 1 ;;
+        --max-seconds 1 --profile-ops ;;
     bench_compiled) stage bench_compiled bench.log bench_compiled ;;
     tests) stage tests tests.log gpu_tests ;;
     sanitize) stage sanitize sanitize.log sanitize ;;
