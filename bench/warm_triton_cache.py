@@ -30,6 +30,8 @@ JOBS = (
     + [("test_varlen_attention", "-", {"case": index}) for index in range(14)]
     + [("bench_prefix_sharing", "bfloat16", {"head_dim": d}) for d in (128, 64)]
     + [("test_varlen_attention_prefix", "-", {"case": index}) for index in range(4)]
+    + [("test_varlen_attention_prefix_split", "-", {"deterministic": deterministic})
+       for deterministic in (False, True)]
 )
 
 
@@ -70,12 +72,12 @@ def _attention_test_case(device, dtype, options):
     varlen_attention(q, k, v, cu, max_seqlen, causal=causal, backend=backend).sum().backward()
 
 
-def _prefix_launch(q, k, v, cu, prefix_of, max_seqlen, device):
+def _prefix_launch(q, k, v, cu, prefix_of, max_seqlen, device, deterministic=False):
     from agentrl_fast.ops.varlen_attention import varlen_attention
 
     backend = "triton" if device.type == "cuda" else "auto"
-    varlen_attention(q, k, v, cu, max_seqlen, prefix_of=prefix_of,
-                     backend=backend).float().sum().backward()
+    varlen_attention(q, k, v, cu, max_seqlen, prefix_of=prefix_of, backend=backend,
+                     deterministic=deterministic).float().sum().backward()
 
 
 def _prefix_bench(device, dtype, options):
@@ -99,10 +101,21 @@ def _prefix_test_case(device, dtype, options):
     _prefix_launch(q, k, v, cu, prefix_of, max_seqlen, device)
 
 
+def _prefix_split_case(device, dtype, options):
+    # test_cuda_triton_prefix_kernels_split_a_prefix_across_programs at D 64
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_varlen_attention_prefix as t
+
+    q, k, v, cu, prefix_of, max_seqlen, _ = t.make_case(t.SPLIT_LAYOUT, 4, 2, t.torch.bfloat16,
+                                                        seed=52, device=device, head_dim=64)
+    _prefix_launch(q, k, v, cu, prefix_of, max_seqlen, device, options["deterministic"])
+
+
 RUNNERS = {"bench_varlen_attention": _attention_bench,
            "bench_token_logprobs": _token_logprobs_bench, "bench_ppo_loss": _ppo_loss_bench,
            "test_varlen_attention": _attention_test_case, "bench_prefix_sharing": _prefix_bench,
-           "test_varlen_attention_prefix": _prefix_test_case}
+           "test_varlen_attention_prefix": _prefix_test_case,
+           "test_varlen_attention_prefix_split": _prefix_split_case}
 
 
 def run_job(job: tuple, device_name: str) -> str:
