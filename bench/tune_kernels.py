@@ -102,7 +102,7 @@ VALUES = {"BLOCK_M": (32, 64, 128), "BLOCK_N": (32, 64, 128), "BLOCK": (32, 64, 
 KEEP_MARGIN = 1.03  # a candidate replaces the default only when this much faster
 # Coordinate moves not timed, per launch: hopeless at compile time (triton 3.6, sm_90).
 # BLOCK 32: M = 32 keys under wgmma's 64 per warpgroup; 128 keys with 4 warps spill 604 B
-# (D 64), ~1.8 KB (D 128); at D 128 128 keys spill 140 B, 4 warps 228 B (triton 3.8).
+# (D 64), ~1.8 KB (D 128); from D 128's default 128 keys spill 140 B, 4 warps 168 B (3.8).
 SKIPPED = {("varlen_attention_backward", "bf16_d64"): ({"BLOCK": 32}, {"BLOCK": 128}),
            ("varlen_attention_backward", "bf16_d128"): ({"BLOCK": 32}, {"BLOCK": 128},
                                                         {"num_warps": 4})}

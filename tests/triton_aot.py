@@ -195,7 +195,7 @@ def narrow_mma_stores(ttgir: str) -> list[str]:
     ``ttg.local_alloc`` from a version-3 ``nvidia_mma`` layout into an ``nvmma_shared`` one
     swizzled by 32 or 64 bytes: an N of 16 or 32 in 16-bit types), as ``"128x32 swizzle 64"``.
     On the H200 under triton 3.6 exactly the launches with such a store gave a wrong dq (D 128
-    and 256) or an illegal memory access (D 64 at STEP 16 and 32), and none without one did
+    and 256) or an illegal memory access (D 64 at STEP 16), and none without one did
     (docs/experiments.md, "The first GPU run"): a shipped configuration must have none."""
     mma = set(re.findall(r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 3\b", ttgir, re.M))
     swizzle = dict(re.findall(r"^(#shared\d*) = #ttg\.nvmma_shared<\{swizzlingByteWidth = (\d+)",
