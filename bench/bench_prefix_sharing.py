@@ -450,11 +450,14 @@ def time_backend(inputs: OpInputs, layouts: Layouts, backend: str,
         del calls["plain"]
     difference = relative_difference(plain_out, shared_out, layouts.rows)
     times = paired_times(calls, device, args.rounds, args.max_seconds, warmup=False)
-    if args.profile_ops and device.type == "cuda":
+    if args.profile_ops and device.type == "cuda" and backend in PROFILED:
         profile_op(calls, backend, device)
     if plain is None:
         plain = plain_runs.setdefault(base, (plain_out, times["plain"]))[1]
     return OpResult(plain, times["shared"], layouts, backend, difference=difference)
+
+
+PROFILED = ("triton", "torch")  # --profile-ops: our kernels and the generic path over torch's
 
 
 def profile_op(calls: dict[str, Callable[[], tuple]], backend: str, device: torch.device) -> None:
@@ -1190,7 +1193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds after which nothing new starts (default none)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile-ops", action="store_true",
-                        help="on CUDA: a torch.profiler table of each op call's kernels")
+                        help="on CUDA: a torch.profiler table of the triton and torch op "
+                             "calls' kernels")
     parser.add_argument("--profile", action="store_true",
                         help="print a torch.profiler table of each step's passes")
     parser.add_argument("--out", default=None,
