@@ -13,7 +13,8 @@ when each is within ``--tolerance`` (bf16: 0.05). A job names
 - the head dim (64, 128, 256; bf16) and the dk/dv launch (BLOCK, STEP, warps, stages);
 - the ptxas that assembles triton's PTX (``TRITON_PTXAS_PATH``): triton's own for sm_90
   (``bundled``; 12.8 in triton 3.6), the CUDA toolkit's (``cuda``), or triton's
-  ``ptxas-blackwell`` (``blackwell``; a newer CUDA's), each with a Triton cache of its own.
+  ``ptxas-blackwell`` (``blackwell``; a newer CUDA's); the other two with Triton caches of
+  their own.
 
 Sets: ``full`` (every variant and mode at each head dim's launches, bundled ptxas), ``quick``
 (each head dim's default launch), ``suite`` (the GPU suite's, 24 jobs: the defaults, the
@@ -211,12 +212,12 @@ def run_one(job: dict) -> dict:
 
 
 def launch(job: dict, timeout: float, paths: dict, cache: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT),
-               TRITON_CACHE_DIR=str(cache / job["ptxas"]))  # a compile per ptxas
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     if job["variant"] == "atomic_rows":
         env["AGENTRL_FAST_PROBE_DQ_ROWS"] = "1"
-    if paths.get(job["ptxas"]):
+    if paths.get(job["ptxas"]):  # another assembler: a Triton cache of its own
         env["TRITON_PTXAS_PATH"] = paths[job["ptxas"]]
+        env["TRITON_CACHE_DIR"] = str(cache / job["ptxas"])
     start = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(job)], env=env,
