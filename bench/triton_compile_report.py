@@ -100,8 +100,9 @@ def report(runs: list, commit: str, command: str) -> str:
         "instruction counts in the PTX: `cp.async` copies (`.ca`/`.cg`), TMA copies "
         "(`cp.async.bulk.tensor`), `wgmma.mma_async` and its shapes, `ld.local`/`st.local` "
         "inside a loop body (between a label and a branch back to it). A configuration fails on "
-        "a compile error, shared memory over the sm_90 limit (232448 bytes per block) or spills "
-        "where its spec does not allow them (spills a spec allows read `(allowed)`); "
+        "a compile error, shared memory over the sm_90 limit (232448 bytes per block), spills "
+        "where its spec does not allow them (spills a spec allows read `(allowed)`) or a wgmma "
+        "result stored to shared memory with a swizzle under 128 bytes (`narrow_mma_stores`); "
         "`tests/test_triton_kernels.py` checks it.", "",
     ]
     for summary, _ in runs:
