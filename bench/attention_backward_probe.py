@@ -17,7 +17,7 @@ when each is within ``--tolerance`` (bf16: 0.05). A job names
   their own.
 
 Sets: ``full`` (every variant and mode at each head dim's launches, bundled ptxas), ``quick``
-(each head dim's default launch), ``suite`` (the GPU suite's, 24 jobs: the defaults, the
+(each head dim's default launch), ``suite`` (the GPU suite's, 25 jobs: the defaults, the
 launches whose ``dS^T`` store has a narrow swizzle, which the H200 got wrong under triton 3.6,
 and the ptxas choices at D 128 and 256), ``dry`` (one small interpreter job: the plumbing, on
 the CPU with ``TRITON_INTERPRET=1``). The probe lifts the backend's refusal of the backward
@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # 16 or 32 stores dS^T with a narrow swizzle (D 128's and 256's defaults until session 27).
 CONFIGS = {
     64: [(64, 64, 4, 1), (64, 32, 4, 1), (64, 64, 8, 2), (128, 64, 8, 2), (64, 16, 4, 1)],
-    128: [(64, 64, 8, 2), (128, 32, 8, 1), (64, 64, 4, 1), (128, 64, 8, 2), (64, 32, 8, 1)],
+    128: [(64, 64, 8, 2), (128, 32, 8, 1), (64, 64, 8, 1), (64, 64, 4, 1), (128, 64, 8, 2),
+          (64, 32, 8, 1)],
     256: [(64, 64, 8, 2), (64, 32, 8, 1), (64, 64, 8, 1)],
 }
 NARROW = {(64, 32), (64, 16), (128, 32), (256, 32)}  # (head dim, STEP): a narrow dS^T store
@@ -86,7 +87,8 @@ def suite_jobs() -> list[dict]:
         default, narrow = CONFIGS[head_dim][:2]
         out += [job("atomic_t", "plain", head_dim, narrow, ptxas=ptxas) for ptxas in PTXAS]
         out += [job("atomic_t", "plain", head_dim, default, ptxas=ptxas) for ptxas in PTXAS[1:]]
-    out += [job("atomic_t", "plain", 128, CONFIGS[128][2]),
+    out += [job("atomic_t", "plain", 128, CONFIGS[128][2]),  # the default unpipelined
+            job("atomic_t", "plain", 128, CONFIGS[128][3]),  # 4 warps
             job("atomic_t", "plain", 64, CONFIGS[64][0]),
             job("atomic_t", "prefix", 64, CONFIGS[64][0]),
             job("atomic_t", "plain", 64, CONFIGS[64][1])]
