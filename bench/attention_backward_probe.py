@@ -249,10 +249,14 @@ def describe(job: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=False)
-    parser.add_argument("--set", choices=("full", "quick", "suite", "dry"), default="full")
-    parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
-    parser.add_argument("--timeout", type=float, default=90.0)
+    parser.add_argument("--out", type=Path, required=False,
+                        help="append each job's row (JSON lines) to this file")
+    parser.add_argument("--set", choices=("full", "quick", "suite", "dry"), default="full",
+                        help="which jobs (the module docstring)")
+    parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
+                        help="jobs at a time")
+    parser.add_argument("--timeout", type=float, default=90.0,
+                        help="seconds a job may take (its compiles included)")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="largest max-relative error taken as right (bf16)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
