@@ -224,6 +224,7 @@ probe_backward() {
   # jobs), at the dry run's own priority: niced further, the tests starved it past its timeouts.
   local set=suite niceness=15
   if [ "$DEVICE" = cpu ]; then set=dry; niceness=0; export TRITON_INTERPRET=1; fi
+  : > "$OUT/probe.jsonl"; : > "$OUT/probe.log"  # this run's rows only
   timeout --kill-after=10 $(( 300 * CAP_SCALE )) nice -n "$niceness" "$PYTHON" \
     bench/attention_backward_probe.py --set "$set" --workers 6 --timeout $(( 90 * CAP_SCALE )) \
     --out "$OUT/probe.jsonl" >> "$OUT/probe.log" 2>&1

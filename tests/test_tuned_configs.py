@@ -136,6 +136,12 @@ def test_no_backward_candidate_stores_ds_with_a_narrow_swizzle():
             default = tune_kernels.default_config(target)
             assert all(c["STEP"] >= 64
                        for c in tune_kernels.candidates(default, target=target)), target
+    # D 128: its default, then the stage moves; 32 or 128 keys and 4 warps are skipped
+    target = next(t for t in tune_kernels.TARGETS
+                  if (t.op, t.key) == ("varlen_attention_backward", "bf16_d128"))
+    default = tune_kernels.default_config(target)
+    got = tune_kernels.candidates(default, target=target)
+    assert got == [default] + [{**default, "num_stages": n} for n in (1, 3)], got
 
 
 def test_aot_compiles_the_sweep_extras():

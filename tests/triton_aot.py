@@ -194,9 +194,10 @@ def narrow_mma_stores(ttgir: str) -> list[str]:
     """The wgmma results stored to shared memory with a swizzle under 128 bytes (a
     ``ttg.local_alloc`` from a version-3 ``nvidia_mma`` layout into an ``nvmma_shared`` one
     swizzled by 32 or 64 bytes: an N of 16 or 32 in 16-bit types), as ``"128x32 swizzle 64"``.
-    On the H200 under triton 3.6 exactly the launches with such a store gave a wrong dq (D 128
-    and 256) or an illegal memory access (D 64 at STEP 16), and none without one did
-    (docs/experiments.md, "The first GPU run"): a shipped configuration must have none."""
+    Every launch that gave a wrong dq (D 128 and 256) or an illegal memory access (D 64 at
+    STEP 16) on the H200 under triton 3.6 had one, and none of the right ones did (though every
+    wrong one also had 8 warps; docs/experiments.md, session 27): a shipped configuration
+    must have none."""
     mma = set(re.findall(r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 3\b", ttgir, re.M))
     swizzle = dict(re.findall(r"^(#shared\d*) = #ttg\.nvmma_shared<\{swizzlingByteWidth = (\d+)",
                               ttgir, re.M))
@@ -220,8 +221,8 @@ def failure_reasons(row: dict, allow_spills: bool) -> list[str]:
         reasons.append(f"spills {row['spill_bytes']} bytes (the spec does not allow spills)")
     if row.get("narrow_mma_stores"):
         reasons.append("stores a wgmma result to shared memory with a narrow swizzle ("
-                       + ", ".join(row["narrow_mma_stores"]) + "): wrong on the H200 under "
-                       "triton 3.6 (narrow_mma_stores)")
+                       + ", ".join(row["narrow_mma_stores"]) + "): the store every wrong or "
+                       "crashing H200 launch had under triton 3.6 (narrow_mma_stores)")
     if row.get("shared_bytes", 0) > SM90_SHARED_BYTES:
         reasons.append(f"needs {row['shared_bytes']} bytes of shared memory, over the sm_90 "
                        f"limit of {SM90_SHARED_BYTES}")

@@ -48,9 +48,9 @@ class TensorMemo:
 
 
 class PairMemo:
-    """Facts about a pair of tensors (``cu_seqlens`` and ``prefix_of``), kept while both live
+    """Facts about a pair of tensors (``prefix_of``, ``cu_seqlens``), kept while both live
     unmodified: ``get_or_build(first, second, fact, build)`` returns the fact, calling
-    ``build()`` once per pair, fact and versions."""
+    ``build()`` (which must not return None) once per pair, fact and versions."""
 
     def __init__(self):
         self._by_first = TensorMemo()

@@ -101,8 +101,8 @@ def _unavailable(device: torch.device) -> str | None:
 # "The first GPU run"): those launches stored dS^T with a 64-byte swizzle, which their new
 # launches avoid (default_backward_config), not yet run on a GPU. Refused on a GPU when a
 # gradient is needed, so `auto` falls back to torch's flash kernels, until a GPU run shows them
-# right (bench/attention_backward_probe.py, a stage of bench/gpu_suite.sh). The forward alone is
-# right there and stays.
+# right (bench/attention_backward_probe.py, run beside bench/gpu_suite.sh's stages). The forward
+# alone is right there and stays.
 GPU_CHECKED_BACKWARD_HEAD_DIM = 64
 
 
