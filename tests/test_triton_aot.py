@@ -155,3 +155,21 @@ def test_hinted_source_marks_pointers_and_named_integers():
 def test_hints_must_name_integer_arguments(hints):
     with pytest.raises(ValueError, match="probe"):
         triton_aot.launch_hints(_spec(**hints))
+
+
+def test_the_prefix_dkdv_launch_without_splits_is_compiled_as_launched():
+    """A hot prefix dk/dv launch with one split (``splits`` 1, ``extra`` 0, which triton
+    specialises as a constant and as divisible by 16) is a compile of its own: its twin spec
+    has those hints, and no tuning variants of its own."""
+    modules = {m.__name__.rsplit(".", 1)[-1]: m for m in triton_aot.load_kernel_modules()}
+    specs = {s["name"]: s for s in modules["varlen_attention_prefix"].aot_specs()}
+    for dtype in ("bf16", "fp16"):
+        for head_dim in (64, 128):
+            for kind in ("", "_dkdv"):
+                name = f"varlen_attention_prefix_backward{kind}_{dtype}_d{head_dim}"
+                twin = specs[name + "_one_split"]
+                assert twin["hints"]["equal_to_1"] == ["splits"] and "tuning" not in twin
+                assert "extra" in twin["hints"]["divisible_by_16"]
+                assert "extra" not in specs[name]["hints"]["divisible_by_16"]
+                assert triton_aot.hinted_source(twin).signature["splits"] == "constexpr"
+    assert not any(n.endswith("_one_split") for n in specs if "fp32" in n or "d256" in n)

@@ -325,6 +325,16 @@ def _spec(name: str, fn, signature: dict, constexprs: dict, config: dict, tuning
             "hints": hints, "tuning": tuning, "allow_spills": not hot, "sample": sample}
 
 
+def _one_split(spec: dict) -> dict:
+    """The dk/dv launch without split prefix tiles, as triton specialises it: ``splits`` the
+    constant 1 and ``extra`` 0 (divisible by 16); the spec it comes from has both as they
+    vary, which a split launch matches."""
+    hints = {"divisible_by_16": spec["hints"]["divisible_by_16"] + ["extra"],
+             "equal_to_1": ["splits"]}
+    variant = {k: v for k, v in spec.items() if k != "tuning"}  # (tuned: compiled once)
+    return {**variant, "name": spec["name"] + "_one_split", "hints": hints}
+
+
 def aot_specs():
     """Every configuration the launcher can pick (the plain kernels' configurations, tuned ones
     included through ``tuning``): forward, dk/dv with the atomic dq and without
@@ -345,12 +355,15 @@ def aot_specs():
                             config, ("varlen_attention_forward", key), hot, sample)
                 config = backward_config(dtype, padded)
                 for atomic in (True, False):
-                    yield _spec(f"varlen_attention_prefix_backward{'' if atomic else '_dkdv'}_{tag}",
-                                varlen_attention_prefix_backward_dkdv_kernel,
-                                _backward_dkdv_signature(dtype),
-                                {**base, "BLOCK": config["BLOCK"], "STEP": config["STEP"],
-                                 "ATOMIC_DQ": atomic},
-                                config, ("varlen_attention_backward", key), hot, sample)
+                    name = f"varlen_attention_prefix_backward{'' if atomic else '_dkdv'}_{tag}"
+                    spec = _spec(name, varlen_attention_prefix_backward_dkdv_kernel,
+                                 _backward_dkdv_signature(dtype),
+                                 {**base, "BLOCK": config["BLOCK"], "STEP": config["STEP"],
+                                  "ATOMIC_DQ": atomic},
+                                 config, ("varlen_attention_backward", key), hot, sample)
+                    yield spec
+                    if hot:
+                        yield _one_split(spec)
                 config = backward_dq_config(dtype, padded)
                 yield _spec(f"varlen_attention_prefix_backward_dq_{tag}",
                             varlen_attention_prefix_backward_dq_kernel,
