@@ -229,7 +229,7 @@ AGENTRL_FAST_INLINE std::pair<float, float> softmax_row(float* row, int64_t n, i
   return {row_max, horizontal_sum(sums)};
 }
 
-// Query rows two at a time from head dim 32 on (each key and value row loaded once for both;
+// Query rows two at a time above head dim 16 (each key and value row loaded once for both;
 // the last row of an odd count alone): the same arithmetic per row as one at a time. At head
 // dim 16 pairs ran 6 % slower (a row of V is two vectors: the pair's passes over it cost more
 // than they share), so rows go one at a time there.
@@ -336,7 +336,7 @@ AGENTRL_FAST_INLINE void accumulate_keys(const BackwardRow& r, const float* p, c
   }
 }
 
-// Query rows two at a time from head dim 32 on, as forward_rows: each key row's dk and dv read
+// Query rows two at a time above head dim 16, as forward_rows: each key row's dk and dv read
 // and written once for both (row 0's term added first, then row 1's: the same sums in the same
 // order as one row at a time), K, V and the scores' keys loaded once for both.
 template <int NV>
