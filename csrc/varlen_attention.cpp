@@ -6,7 +6,7 @@
 // number of 8-float vectors, K and V also transposed to [D, L]), computes there, and writes its
 // results back. Per query row: the scores against all its keys as 8-wide vectors over keys (no
 // horizontal sums), the softmax with a vectorised exp, then the weighted sum of V rows in
-// registers. From head dim 32 on, query rows go two at a time, each key, value and dk/dv row
+// registers. Above head dim 16, query rows go two at a time, each key, value and dk/dv row
 // read once for both (1.55x forward + backward at 2048-token sequences, D 64), with every
 // row's arithmetic in the same order as alone: the same bits. Tasks are dealt to threads by
 // cost (longest first, to the least loaded).
