@@ -211,6 +211,18 @@ struct ForwardBuffers {
   float* row;       // [2, Lp] scratch (two query rows at a time)
 };
 
+// Query rows per step of the row loops: 2 above head dim 16 (NV >= 4), unless
+// AGENTRL_FAST_NATIVE_ROWS_ALONE=1 (read once; how the tests compare the pairs' bits with one
+// row at a time).
+template <int NV>
+AGENTRL_FAST_INLINE int64_t row_step() {
+  static const bool alone = [] {
+    const char* value = std::getenv("AGENTRL_FAST_NATIVE_ROWS_ALONE");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  return NV >= 4 && !alone ? 2 : 1;
+}
+
 // The softmax of one row of scores (its first n, in nb vectors) in place: (max, sum of exps).
 AGENTRL_FAST_INLINE std::pair<float, float> softmax_row(float* row, int64_t n, int64_t nb) {
   const float inf = std::numeric_limits<float>::infinity();
@@ -236,7 +248,7 @@ AGENTRL_FAST_INLINE std::pair<float, float> softmax_row(float* row, int64_t n, i
 template <int NV>
 AGENTRL_FAST_INLINE void forward_rows(const TaskShape& t, const ForwardBuffers& m) {
   constexpr int64_t Dp = NV * kWidth;
-  constexpr int64_t kStep = NV >= 4 ? 2 : 1;
+  const int64_t kStep = row_step<NV>();
   float* const rows[2] = {m.row, m.row + t.padded_length};
   for (int64_t g = 0; g < t.groups; ++g) {
     for (int64_t i = 0; i < t.length; i += kStep) {
@@ -342,7 +354,7 @@ AGENTRL_FAST_INLINE void accumulate_keys(const BackwardRow& r, const float* p, c
 template <int NV>
 AGENTRL_FAST_INLINE void backward_rows(const TaskShape& t, const BackwardBuffers& m) {
   constexpr int64_t Dp = NV * kWidth;
-  constexpr int64_t kStep = NV >= 4 ? 2 : 1;
+  const int64_t kStep = row_step<NV>();
   float* const p[2] = {m.p, m.p + t.padded_length};
   float* const ds[2] = {m.ds, m.ds + t.padded_length};
   for (int64_t g = 0; g < t.groups; ++g) {

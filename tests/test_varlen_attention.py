@@ -581,6 +581,48 @@ def test_lse_is_not_differentiable(backend, request):
         torch.autograd.grad(lse.sum(), q)
 
 
+def test_native_row_pairs_give_the_bits_of_one_row_at_a_time():
+    """Native takes query rows two at a time above head dim 16, each row's arithmetic in its own
+    order (dk, dv adding the first row's term before the second's): out, lse and every gradient
+    equal, bit for bit, one row at a time (AGENTRL_FAST_NATIVE_ROWS_ALONE=1 in a fresh
+    process), plain and prefix-shared, causal and not, odd lengths, GQA, fp32 and bf16."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent("""
+        import sys, torch
+        from agentrl_fast.ops import varlen_attention
+        import test_varlen_attention as t
+        torch.set_num_threads(1)
+        results = []
+        for lengths, prefix_of, head_dim, causal, dtype in [
+                ([37, 1, 64, 0, 129], None, 40, True, torch.float32),
+                ([37, 1, 64, 0, 129], None, 64, False, torch.bfloat16),
+                ([90, 13, 1, 40], [-1, 0, 0, -1], 128, True, torch.float32),
+                ([51, 20, 7], [-1, 0, 0], 32, True, torch.bfloat16)]:
+            q, k, v, cu, max_seqlen = t.make_inputs(lengths, 4, 2, head_dim, dtype, seed=33)
+            dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(34)).to(dtype)
+            prefix = None if prefix_of is None else torch.tensor(prefix_of, dtype=torch.int32)
+            out, lse = varlen_attention(q, k, v, cu, max_seqlen, causal=causal, prefix_of=prefix,
+                                        backend="native", return_lse=True)
+            results.append([out, lse, *torch.autograd.grad(out, (q, k, v), dout)])
+        torch.save([[x.detach() for x in r] for r in results], sys.argv[1])
+    """)
+    saved = {}
+    for alone in ("0", "1"):
+        env = {**os.environ, "AGENTRL_FAST_NATIVE_ROWS_ALONE": alone}
+        env.pop("TRITON_INTERPRET", None)
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"native_rows_{os.getpid()}_{alone}.pt")
+        result = subprocess.run([sys.executable, "-c", script, path], cwd=os.path.dirname(__file__),
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        saved[alone] = torch.load(path)
+        os.remove(path)
+    for case, (paired, alone) in enumerate(zip(saved["0"], saved["1"])):
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), paired, alone):
+            assert torch.equal(a, b), (case, name)
+
+
 # ---------------------------------------------------------------------------------------------
 # Backends and dispatch.
 
