@@ -151,7 +151,7 @@ AGENTRL_FAST_INLINE void weighted_rows2(const float* w0, const float* w1, const 
                                         int64_t n0, int64_t n1, vf* acc0, vf* acc1) {
   constexpr int64_t Dp = NV * kWidth;
   constexpr int U = NV >= 8 ? 1 : (NV >= 4 ? 2 : 4);
-  constexpr int C = NV < 4 / U ? NV : (4 / U > 0 ? 4 / U : 1);
+  constexpr int C = NV < 4 / U ? NV : 4 / U;  // U * C = 4 partial sums a row
   for (int c0 = 0; c0 < NV; c0 += C) {
     vf p0[U][C] = {}, p1[U][C] = {};
     int64_t j = 0;
@@ -223,6 +223,11 @@ AGENTRL_FAST_INLINE int64_t row_step() {
   return NV >= 4 && !alone ? 2 : 1;
 }
 
+// The keys query row i sees: causal, its prefix's and its own up to itself; else all L.
+AGENTRL_FAST_INLINE int64_t keys_seen(const TaskShape& t, int64_t i) {
+  return t.causal ? t.key_offset + i + 1 : t.length;
+}
+
 // The softmax of one row of scores (its first n, in nb vectors) in place: (max, sum of exps).
 AGENTRL_FAST_INLINE std::pair<float, float> softmax_row(float* row, int64_t n, int64_t nb) {
   const float inf = std::numeric_limits<float>::infinity();
@@ -248,14 +253,14 @@ AGENTRL_FAST_INLINE std::pair<float, float> softmax_row(float* row, int64_t n, i
 template <int NV>
 AGENTRL_FAST_INLINE void forward_rows(const TaskShape& t, const ForwardBuffers& m) {
   constexpr int64_t Dp = NV * kWidth;
-  const int64_t kStep = row_step<NV>();
+  const int64_t step = row_step<NV>();
   float* const rows[2] = {m.row, m.row + t.padded_length};
   for (int64_t g = 0; g < t.groups; ++g) {
-    for (int64_t i = 0; i < t.length; i += kStep) {
-      const int pair = kStep == 2 && i + 1 < t.length ? 2 : 1;
+    for (int64_t i = 0; i < t.length; i += step) {
+      const int pair = step == 2 && i + 1 < t.length ? 2 : 1;
       int64_t n[2], nb[2];
       for (int r = 0; r < pair; ++r) {
-        n[r] = t.causal ? t.key_offset + i + r + 1 : t.length;
+        n[r] = keys_seen(t, i + r);
         nb[r] = (n[r] + kWidth - 1) / kWidth;
       }
       const float* qi = m.q + (g * t.length + i) * Dp;
@@ -312,7 +317,7 @@ AGENTRL_FAST_INLINE BackwardRow backward_row(const TaskShape& t, const BackwardB
   const float *qi = m.q + row * Dp, *doi = m.dout + row * Dp, *oi = m.out + row * Dp;
   vf dot = {};
   for (int c = 0; c < NV; ++c) dot += load(doi + c * kWidth) * load(oi + c * kWidth);
-  const int64_t n = t.causal ? t.key_offset + i + 1 : t.length;
+  const int64_t n = keys_seen(t, i);
   // delta = sum_j p_j dp_j = dout . out
   return {qi, doi, horizontal_sum(dot), m.lse[row], n, (n + kWidth - 1) / kWidth};
 }
@@ -354,12 +359,12 @@ AGENTRL_FAST_INLINE void accumulate_keys(const BackwardRow& r, const float* p, c
 template <int NV>
 AGENTRL_FAST_INLINE void backward_rows(const TaskShape& t, const BackwardBuffers& m) {
   constexpr int64_t Dp = NV * kWidth;
-  const int64_t kStep = row_step<NV>();
+  const int64_t step = row_step<NV>();
   float* const p[2] = {m.p, m.p + t.padded_length};
   float* const ds[2] = {m.ds, m.ds + t.padded_length};
   for (int64_t g = 0; g < t.groups; ++g) {
-    for (int64_t i = 0; i < t.length; i += kStep) {
-      const int pair = kStep == 2 && i + 1 < t.length ? 2 : 1;
+    for (int64_t i = 0; i < t.length; i += step) {
+      const int pair = step == 2 && i + 1 < t.length ? 2 : 1;
       BackwardRow r[2];
       for (int k = 0; k < pair; ++k) r[k] = backward_row<NV>(t, m, g, i + k);
       vf dq_row[2][NV];
