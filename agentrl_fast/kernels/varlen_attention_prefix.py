@@ -207,6 +207,46 @@ def varlen_attention_prefix_backward_dkdv_kernel(
 
 
 @triton.jit
+def varlen_attention_prefix_add_splits_kernel(
+        PART_DK, PART_DV, PART_TOKENS, DK, DV, stride_ps, stride_pt, stride_ph, stride_dkt,
+        stride_dkh, stride_dvt, stride_dvh, num_rows, splits, head_dim, softmax_scale,
+        HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dk, dv of ``BLOCK_R`` of the prefixes' ``num_rows`` packed rows, one KV head: the
+    splits' float32 sums (``PART_*[split, row, head]``) added in split order (the same bits
+    every run), dk scaled, stored at the rows' tokens (``PART_TOKENS``, int64): one pass over
+    the sums instead of a reduction, two casts and two scatters."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    head = tl.program_id(1)
+    valid = rows < num_rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    offset = head.to(tl.int64) * stride_ph
+    dk = _load_rows(PART_DK + offset, rows, stride_pt, offs_d, head_dim, valid, EVEN_D, False)
+    dv = _load_rows(PART_DV + offset, rows, stride_pt, offs_d, head_dim, valid, EVEN_D, False)
+    for _ in range(1, splits):
+        offset += stride_ps
+        dk += _load_rows(PART_DK + offset, rows, stride_pt, offs_d, head_dim, valid, EVEN_D,
+                         False)
+        dv += _load_rows(PART_DV + offset, rows, stride_pt, offs_d, head_dim, valid, EVEN_D,
+                         False)
+    tokens = tl.load(PART_TOKENS + rows, mask=valid, other=0)
+    _store_rows(DK + head * stride_dkh, tokens, stride_dkt, offs_d, head_dim, valid,
+                dk * softmax_scale, EVEN_D)
+    _store_rows(DV + head * stride_dvh, tokens, stride_dvt, offs_d, head_dim, valid, dv, EVEN_D)
+
+
+# The split sums' rows per program: 4096 float32 values of each of dk and dv (64 registers a
+# thread at 4 warps).
+ADD_SPLITS_VALUES = 4096
+ADD_SPLITS_LAUNCH = dict(num_warps=4, num_stages=1)
+
+
+def add_splits_rows(padded: int) -> int:
+    """``BLOCK_R`` of ``varlen_attention_prefix_add_splits_kernel`` at padded head dim
+    ``padded``."""
+    return ADD_SPLITS_VALUES // padded
+
+
+@triton.jit
 def varlen_attention_prefix_backward_dq_kernel(
         Q, K, V, DO, LSE, DELTA, DQ, CU, PREFIX, TILE_SEQUENCE, TILE_BLOCK,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -310,19 +350,30 @@ def _backward_dq_signature(dtype: str) -> dict:
     return signature
 
 
+def _add_splits_signature(dtype: str) -> dict:
+    signature = _signature(dtype, ("PART_DK", "PART_DV", "DK", "DV"), ("PART_DK", "PART_DV"),
+                           (), ("stride_ps", "stride_pt", "stride_ph", "stride_dkt",
+                                "stride_dkh", "stride_dvt", "stride_dvh", "num_rows", "splits",
+                                "head_dim"))
+    signature = {"PART_TOKENS": "*i64", **signature}
+    signature.update({name: "constexpr" for name in ("HEAD_DIM", "EVEN_D", "BLOCK_R")})
+    return signature
+
+
 # The configurations CI compiles (``tests/triton_aot.py --sample``): the hot ones, and one of
 # each other code path (float32's IEEE dots and its small tiles, an odd head dim's masks, the
 # widest head); the rest differ in sizes (``python tests/triton_aot.py`` compiles every one).
 SAMPLE = {("bf16", 64, False), ("fp32", 64, True), ("fp32", 256, True), ("bf16", 256, True)}
 
 
-def _spec(name: str, fn, signature: dict, constexprs: dict, config: dict, tuning: tuple,
-          hot: bool, sample: bool) -> dict:
+def _spec(name: str, fn, signature: dict, constexprs: dict, config: dict,
+          tuning: tuple | None, hot: bool, sample: bool) -> dict:
     hints = _launch_hints(signature)
     hints["equal_to_1"] = []  # no causal argument: the prefix mode is always causal
-    return {"name": name, "fn": fn, "signature": signature, "constexprs": constexprs,
+    spec = {"name": name, "fn": fn, "signature": signature, "constexprs": constexprs,
             "num_warps": config["num_warps"], "num_stages": config["num_stages"],
             "hints": hints, "tuning": tuning, "allow_spills": not hot, "sample": sample}
+    return spec if tuning else {k: v for k, v in spec.items() if k != "tuning"}
 
 
 def _one_split(spec: dict) -> dict:
@@ -364,6 +415,12 @@ def aot_specs():
                     yield spec
                     if hot:
                         yield _one_split(spec)
+                yield _spec(f"varlen_attention_prefix_add_splits_{tag}",
+                            varlen_attention_prefix_add_splits_kernel,
+                            _add_splits_signature(dtype),
+                            {"HEAD_DIM": padded, "EVEN_D": even,
+                             "BLOCK_R": add_splits_rows(padded)},
+                            ADD_SPLITS_LAUNCH, None, hot, sample)
                 config = backward_dq_config(dtype, padded)
                 yield _spec(f"varlen_attention_prefix_backward_dq_{tag}",
                             varlen_attention_prefix_backward_dq_kernel,

@@ -517,7 +517,7 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
             BLOCK=config["BLOCK"], STEP=config["STEP"], ATOMIC_DQ=dq_acc is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"], **common)
         if splits > 1:
-            _add_splits(part, part_tokens, scale, dk_t, dv_t)
+            _add_splits(part, part_tokens, scale, head_dim, dk_t, dv_t)
         if dq_acc is not None:
             dq_t.copy_(dq_acc.mul_(scale))
         else:
@@ -536,15 +536,21 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
             grad.copy_(target)
 
 
-def _add_splits(part: torch.Tensor, part_tokens: torch.Tensor, scale: float, dk: torch.Tensor,
-                dv: torch.Tensor) -> None:
-    """The prefixes' rows of ``dk``, ``dv`` ([T, Hk, D]): the splits' float32 sums
-    (``part[2, splits, R, Hk, D]``) added (a reduction of a fixed shape, in a fixed order: the
-    same bits every run), dk scaled, written at ``part_tokens[R]`` (R > 0: a split needs a
-    prefix tile)."""
-    sums = part.sum(1)
-    dk.index_copy_(0, part_tokens, (sums[0] * scale).to(dk.dtype))
-    dv.index_copy_(0, part_tokens, sums[1].to(dv.dtype))
+def _add_splits(part: torch.Tensor, part_tokens: torch.Tensor, scale: float, head_dim: int,
+                dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """The prefixes' rows of ``dk``, ``dv`` ([T, Hk, D], unit stride along D): the splits'
+    float32 sums (``part[2, splits, R, Hk, D]``) added in split order (the same bits every
+    run), dk scaled, written at ``part_tokens[R]`` (R > 0: a split needs a prefix tile); one
+    launch."""
+    _, splits, rows, num_heads_k, _ = part.shape
+    padded = kernels.padded_head_dim(head_dim)
+    block_r = prefix_kernels.add_splits_rows(padded)
+    prefix_kernels.varlen_attention_prefix_add_splits_kernel[(triton.cdiv(rows, block_r),
+                                                               num_heads_k)](
+        part[0], part[1], part_tokens, dk, dv, part.stride(1), part.stride(2), part.stride(3),
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), rows, splits, head_dim,
+        float(scale), HEAD_DIM=padded, EVEN_D=padded == head_dim, BLOCK_R=block_r,
+        **prefix_kernels.ADD_SPLITS_LAUNCH)
 
 
 BACKEND = Backend("triton", "op", _unavailable, forward=_forward, backward=_backward,

@@ -114,6 +114,34 @@ def test_splits_fill_the_device_within_their_bounds():
     assert triton_launcher.prefix_dkdv_splits((128, 1, 3), 1, 4, cpu) == 3  # 12 entries
 
 
+@pytest.mark.parametrize("dtype,head_dim,splits,rows", [
+    (torch.bfloat16, 64, 2, 70), (torch.float16, 59, 8, 1), (torch.float32, 48, 3, 129)])
+def test_add_splits_sums_in_split_order_into_the_prefix_rows(dtype, head_dim, splits, rows):
+    """The split sums' kernel: ``dk = (part_dk[0] + part_dk[1] + ...) * scale``, ``dv`` alike,
+    added in split order in float32 (bitwise a sequential float32 sum; bf16 within the cast's
+    one unit), cast and written at
+    each packed row's token; the other rows of the (poisoned) gradients untouched. Rows past
+    one block, one row, an odd head dim (masked columns), every dtype."""
+    gen = torch.Generator().manual_seed(rows)
+    num_tokens, num_heads_k, scale = rows + 40, 2, 0.125
+    part = torch.randn(2, splits, rows, num_heads_k, head_dim, generator=gen) * 4
+    part_tokens = torch.randperm(num_tokens, generator=gen)[:rows]
+    grads = [torch.full((num_tokens, num_heads_k, head_dim), float("nan"), dtype=dtype)
+             for _ in range(2)]
+    triton_launcher._add_splits(part, part_tokens, scale, head_dim, *grads)
+    sums = part[:, 0].clone()
+    for split in range(1, splits):
+        sums = sums + part[:, split]
+    for grad, expected in zip(grads, ((sums[0] * scale).to(dtype), sums[1].to(dtype))):
+        if dtype == torch.bfloat16:  # the interpreter truncates casts to bf16 (the GPU rounds)
+            torch.testing.assert_close(grad[part_tokens], expected, rtol=2 ** -7, atol=0)
+        else:
+            assert torch.equal(grad[part_tokens], expected)
+        untouched = torch.ones(num_tokens, dtype=torch.bool)
+        untouched[part_tokens] = False
+        assert grad[untouched].isnan().all()
+
+
 def test_dkdv_table_packs_the_prefixes_rows():
     """The split sums' rows: each prefix's rows one after another, where its tokens are."""
     lengths, parents = [4, 5, 3, 0, 7, 2, 1], [-1, 0, -1, 0, 2, 0, -1]
