@@ -20,7 +20,8 @@ In one run:
    over native's plain kernels: native registered again here without its prefix kernels, so
    its cross pass is the float32 reference one), ``cpu_flash`` (the generic path, torch's flash
    kernel as the cross pass). CUDA: ``triton`` (its own prefix kernels), ``triton+1split``
-   (the same with each prefix tile's dk/dv in one program: what the split buys), ``torch`` and
+   (the same with each prefix tile's dk/dv in one program: what the split buys; on the long
+   prompts ``+2split``, ``+4split``, ``+8split`` too: where the launcher's count stands), ``torch`` and
    ``flash_attn`` (the generic path over their raw varlen kernels). Inputs are random normal on
    the shared rows; the unshared packing's are gathered from them (``rows``), so both compute
    the same function: their outputs are compared before anything is timed.
@@ -80,6 +81,7 @@ from dataclasses import dataclass
 import torch
 
 import common  # bench/ is the script's folder: first on sys.path
+from agentrl_fast.kernels.varlen_attention import backward_config
 from agentrl_fast.ops import varlen_attention_triton as triton_launcher
 from agentrl_fast.ops.varlen_attention import (BACKENDS, available_backends, register_backend,
                                                varlen_attention)
@@ -278,24 +280,28 @@ def generic_backend(name: str) -> str:
     return generic
 
 
-def one_split_backend(name: str = "triton") -> str:
-    """``triton+1split``: the Triton prefix kernels with each prefix key tile's dk/dv in one
-    program (``prefix_dkdv_splits`` held at 1 during its backward), timed beside ``triton`` to
-    show what the split buys."""
-    variant = f"{name}+1split"
+# The dk/dv split counts timed beside the launcher's own on CUDA's long prompts: what the
+# split buys (1) and where its choice (``prefix_dkdv_splits``) stands among the others.
+SPLIT_SWEEP = (1, 2, 4, 8)
+
+
+def split_backend(splits: int, name: str = "triton") -> str:
+    """``triton+{splits}split``: the Triton prefix kernels with each prefix key tile's dk/dv
+    over ``splits`` programs (``prefix_dkdv_splits`` held there during its backward)."""
+    variant = f"{name}+{splits}split"
     if variant not in BACKENDS:
         backward = BACKENDS[name].prefix_backward
 
-        def one_split(*args) -> None:
+        def held(*args) -> None:
             chosen = triton_launcher.prefix_dkdv_splits
-            triton_launcher.prefix_dkdv_splits = lambda *_: 1
+            triton_launcher.prefix_dkdv_splits = lambda *_: splits
             try:
                 backward(*args)
             finally:
                 triton_launcher.prefix_dkdv_splits = chosen
 
         register_backend(dataclasses.replace(BACKENDS[name], name=variant,
-                                             prefix_backward=one_split))
+                                             prefix_backward=held))
     return variant
 
 
@@ -307,8 +313,28 @@ def op_backends(device: torch.device, reference_ok: bool) -> list[str]:
     if device.type == "cpu" and "native" in names and BACKENDS["native"].prefix_forward:
         names.insert(names.index("native") + 1, generic_backend("native"))
     if device.type == "cuda" and "triton" in names:
-        names.insert(names.index("triton") + 1, one_split_backend("triton"))
+        names.insert(names.index("triton") + 1, split_backend(1))
     return names
+
+
+def launcher_splits(layouts: Layouts, heads: tuple[int, int], dtype: torch.dtype,
+                    head_dim: int, device: torch.device) -> int:
+    """The dk/dv split count the Triton launcher picks for ``layouts``' shared packing."""
+    config = backward_config({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"),
+                             head_dim)
+    cu = torch.tensor(layouts.shared_cu, dtype=torch.int32, device=device)
+    prefix_of = torch.tensor(layouts.prefix_of, dtype=torch.int32, device=device)
+    facts = triton_launcher.prefix_dkdv_table(cu, prefix_of, layouts.shared_rows,
+                                              config["BLOCK"], config["STEP"])[-1]
+    return triton_launcher.prefix_dkdv_splits(facts, heads[1], heads[0] // heads[1], device)
+
+
+def long_prompt_backends(backends: list[str]) -> list[str]:
+    """``backends`` with, after ``triton+1split``, the other counts of ``SPLIT_SWEEP``."""
+    if "triton+1split" not in backends:
+        return backends
+    at = backends.index("triton+1split") + 1
+    return backends[:at] + [split_backend(n) for n in SPLIT_SWEEP[1:]] + backends[at:]
 
 
 @dataclass
@@ -1053,7 +1079,11 @@ def run_long_prompts(report: Report, sizes: Sizes, backends: list[str], budget: 
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     for head_dim in sizes.long_head_dims:
         results = run_op(long_prompt_layouts(*sizes.long_prompt), sizes.long_heads, head_dim,
-                         dtype, backends, device, args, budget, failures)
+                         dtype, long_prompt_backends(backends), device, args, budget, failures)
+        if device.type == "cuda" and "triton" in backends:
+            splits = launcher_splits(long_prompt_layouts(*sizes.long_prompt), sizes.long_heads,
+                                     dtype, head_dim, device)
+            print(f"  triton's own dk/dv split count here: {splits}", flush=True)
         report.ops += results
         report.add(op_rows(results, device))
 
