@@ -407,15 +407,22 @@ MIN_SPLIT_ENTRIES = 4
 
 
 def prefix_dkdv_splits(facts: tuple, num_heads_k: int, groups: int, device: torch.device) -> int:
-    """How many programs share each prefix tile's dk/dv (1: no split, no float32 sums). They
-    hold ``2 x splits x R x Hk`` rows of D floats, above 1 split only while the prefixes'
-    tiles are too few to fill the device: at most about ``2 x 4 x processors x BLOCK`` rows.
-    The split count (so the dk/dv bits) depends on the device's processor count."""
+    """How many programs share each prefix tile's dk/dv on ``device`` (1: no split, no float32
+    sums): ``split_count`` with its processor count (8 off CUDA: the interpreter's splits
+    still run). The split count (so the dk/dv bits) depends on the device's processor count."""
+    processors = (torch.cuda.get_device_properties(device).multi_processor_count
+                  if device.type == "cuda" else 8)
+    return split_count(facts, num_heads_k, groups, processors)
+
+
+def split_count(facts: tuple, num_heads_k: int, groups: int, processors: int) -> int:
+    """The programs per prefix tile that give ``PROGRAMS_PER_PROCESSOR`` programs a processor
+    over the prefixes' tiles, within ``MAX_SPLITS`` and ``MIN_SPLIT_ENTRIES``. They hold
+    ``2 x splits x R x Hk`` rows of D floats, above 1 split only while the prefixes' tiles are
+    too few to fill the device: at most about ``2 x 4 x processors x BLOCK`` rows."""
     _, prefix_tiles, suffix_blocks = facts
     if prefix_tiles == 0:
         return 1
-    processors = (torch.cuda.get_device_properties(device).multi_processor_count
-                  if device.type == "cuda" else 8)  # (the interpreter: splits still run)
     wanted = -(-PROGRAMS_PER_PROCESSOR * processors // (prefix_tiles * num_heads_k))
     return max(1, min(wanted, MAX_SPLITS, suffix_blocks * groups // MIN_SPLIT_ENTRIES))
 

@@ -1,0 +1,371 @@
+"""A scheduling model of the Triton attention kernels on a GPU: how long the plain and the
+prefix-shared packings' forward and dk/dv launches take when their programs are dealt to the
+processors in launch order, from the launcher's own tile tables. It reads the one H200
+measurement of the prefix-shared op (``bench/results/gpu_2026-12-04/prefix_sharing.md``: the
+plain packing and the one-split prefix kernels at head dim 64) and predicts the launches no GPU
+has run yet (the dk/dv split over several programs, other shapes). A model, not a
+measurement: it calibrates two numbers on two timings.
+
+    python bench/attention_schedule_model.py [--record PATH.md]
+
+The model:
+
+- Programs: the launcher's grids (``agentrl_fast/ops/varlen_attention_triton.py``): one per
+  (tile, head) in the order of its tile table (longest work first), the dk/dv kernel's split
+  programs first. A program's cost is its loop's iterations (key blocks of the forward, (query
+  head, query block) entries of the dk/dv kernel) plus ``FIXED`` iterations (loads, stores).
+- Processors: ``PROCESSORS`` each holding as many programs at once as the kernel's registers,
+  warps and shared memory allow (``bench/results/triton_compile.md``, triton 3.6.0: the
+  H200's); a program starts on the first free slot, in launch order (greedy list scheduling).
+- Time: iterations of the longest slot x a per-iteration time, one for the forward's (128 x
+  128 tiles at D 64), one for the dk/dv kernel's (64 x 64): the two unknowns, solved from the
+  H200's plain and one-split shared times. Split programs add a pass over their float32 sums
+  at the measured copy bandwidth. Launch gaps, caches and the preprocess are left out (the
+  same or smaller in the shared packing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import heapq
+import math
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from agentrl_fast.ops import varlen_attention_triton as launcher  # noqa: E402
+
+COMPILE_REPORT = ROOT / "bench/results/triton_compile.md"
+# The H200 (bench/results/gpu_2026-12-04): 132 processors of 64K registers, 228 KB of shared
+# memory and 64 warps each; the copy bandwidth its GAE stage measured.
+PROCESSORS, REGISTERS, SHARED_BYTES, WARPS = 132, 65536, 233472, 64
+COPY_BYTES_PER_MS = 4160e9 / 1e3
+FIXED = 1.0  # a program's iterations outside its loop
+# The calibration: bf16, a 2048-token prompt + 8 suffixes of 256, 8 query / 2 KV heads of 64,
+# forward + backward, ms (gpu_2026-12-04/prefix_sharing.md: plain; shared with one split).
+MEASURED = {"plain": 1.06, "shared, 1 split": 0.94}
+LONG_PROMPT = (1, 2048, 8, 256, 8, 2)  # (prompts, prompt, suffixes, suffix, Hq, Hk)
+# Forward (BLOCK_M, BLOCK_N) and dk/dv (BLOCK, STEP) at bf16 D 64: the kernels' defaults then
+# and now (agentrl_fast/kernels/varlen_attention.py).
+FORWARD_TILE, DKDV_TILE = (128, 128), (64, 64)
+OTHER_SHAPES = [(2, 2048, 8, 256, 8, 2), (4, 2048, 8, 256, 8, 2), (1, 2048, 4, 512, 8, 2),
+                (1, 2048, 16, 256, 8, 2), (1, 4096, 8, 1024, 8, 2), (1, 2048, 8, 256, 32, 8),
+                (8, 1024, 4, 256, 8, 2)]
+
+
+def programs_per_processor(kernel: str) -> int:
+    """How many programs of ``kernel`` (a configuration of the compile report) one processor
+    holds: registers (allocated per warp in units of 256), shared memory and warps."""
+    pattern = re.compile(rf"^\| {re.escape(kernel)} \| 3\.6\.0 \| (\d+) \| \d+ \| (\d+) \| \d+ "
+                         rf"\| (\d+) \|", re.M)
+    match = pattern.search(COMPILE_REPORT.read_text())
+    if match is None:
+        raise SystemExit(f"{COMPILE_REPORT}: no triton 3.6.0 row for {kernel}")
+    warps, registers, shared = (int(x) for x in match.groups())
+    per_warp = math.ceil(registers * 32 / 256) * 256
+    return min(REGISTERS // (per_warp * warps), SHARED_BYTES // max(shared, 1), WARPS // warps)
+
+
+def makespan(costs: list[float], slots: int) -> float:
+    """Iterations until the last program ends: each program, in order, on the slot free first."""
+    free = [0.0] * slots
+    end = 0.0
+    for cost in costs:
+        start = heapq.heappop(free)
+        end = max(end, start + cost)
+        heapq.heappush(free, start + cost)
+    return end
+
+
+@dataclass
+class Shape:
+    """``prompts`` prompts of ``prompt`` tokens with ``suffixes`` suffixes of ``suffix`` each."""
+    prompts: int
+    prompt: int
+    suffixes: int
+    suffix: int
+    heads_q: int
+    heads_k: int
+
+    @property
+    def name(self) -> str:
+        return (f"{self.prompts} x (prompt {self.prompt} + {self.suffixes} x {self.suffix}), "
+                f"{self.heads_q}/{self.heads_k} heads")
+
+    def plain_cu(self) -> torch.Tensor:
+        count = self.prompts * self.suffixes
+        return torch.arange(count + 1, dtype=torch.int32) * (self.prompt + self.suffix)
+
+    def shared(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cu_seqlens, prefix_of) of the shared packing: each prompt, then its suffixes."""
+        lengths, prefix_of = [], []
+        for _ in range(self.prompts):
+            prefix_of += [-1] + [len(lengths)] * self.suffixes
+            lengths += [self.prompt] + [self.suffix] * self.suffixes
+        cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+        return cu, torch.tensor(prefix_of, dtype=torch.int32)
+
+    def ideal(self) -> float:
+        """Plain (query, key) pairs over shared pairs."""
+        whole = self.prompt + self.suffix
+        plain = self.suffixes * whole * (whole + 1) // 2
+        shared = (self.prompt * (self.prompt + 1) // 2
+                  + self.suffixes * (self.suffix * self.prompt + self.suffix * (self.suffix + 1) // 2))
+        return plain / shared
+
+
+def plain_costs(shape: Shape) -> tuple[list[float], list[float]]:
+    """Per-program iterations of the plain forward and dk/dv launches, in launch order."""
+    cu = shape.plain_cu()
+    tokens, groups = int(cu[-1]), shape.heads_q // shape.heads_k
+    (block_m, block_n), (block, step) = FORWARD_TILE, DKDV_TILE
+    bounds, sequence, tile_block, _ = launcher.tile_table(cu, tokens, block_m, True)
+    lengths = (bounds[1:] - bounds[:-1]).tolist()
+    forward = [FIXED + math.ceil(min(lengths[s], (b + 1) * block_m) / block_n)
+               for s, b in zip(sequence.tolist(), tile_block.tolist()) if s >= 0
+               for _ in range(shape.heads_q)]
+    bounds, sequence, tile_block, _ = launcher.tile_table(cu, tokens, block, True, by_length=True)
+    lengths = (bounds[1:] - bounds[:-1]).tolist()
+    dkdv = [FIXED + groups * math.ceil((lengths[s] - b * block) / step)
+            for s, b in zip(sequence.tolist(), tile_block.tolist()) if s >= 0
+            for _ in range(shape.heads_k)]
+    return forward, dkdv
+
+
+def shared_forward_costs(shape: Shape) -> list[float]:
+    cu, prefix_of = shape.shared()
+    block_m, block_n = FORWARD_TILE
+    bounds, prefix, sequence, tile_block, _ = launcher.prefix_tile_table(
+        cu, prefix_of, int(cu[-1]), block_m)
+    lengths, prefix = (bounds[1:] - bounds[:-1]).tolist(), prefix.tolist()
+    costs = []
+    for s, b in zip(sequence.tolist(), tile_block.tolist()):
+        if s >= 0:
+            own = math.ceil(min(lengths[s], (b + 1) * block_m) / block_n)
+            keys = math.ceil(lengths[prefix[s]] / block_n) if prefix[s] >= 0 else 0
+            costs += [FIXED + own + keys] * shape.heads_q
+    return costs
+
+
+def shared_dkdv(shape: Shape, splits: int | None) -> tuple[list[float], int, float]:
+    """(per-program iterations in launch order, the split count, ms of the split sums' pass)
+    of the prefix dk/dv launch; ``splits`` None: the launcher's own count on this device."""
+    cu, prefix_of = shape.shared()
+    groups = shape.heads_q // shape.heads_k
+    block, step = DKDV_TILE
+    (bounds, sequence, tile_block, _, query_ptr, _, _, _, _, split_tile,
+     facts) = launcher.prefix_dkdv_table(cu, prefix_of, int(cu[-1]), block, step)
+    if splits is None:
+        splits = launcher.split_count(facts, shape.heads_k, shape.heads_q // shape.heads_k,
+                                      PROCESSORS)
+    lengths, query_ptr = (bounds[1:] - bounds[:-1]).tolist(), query_ptr.tolist()
+    entries = []  # per tile of the table: (own blocks, all blocks) or None (a padding slot)
+    for s, b in zip(sequence.tolist(), tile_block.tolist()):
+        own = math.ceil((lengths[s] - b * block) / step) if s >= 0 else 0
+        entries.append((own, own + query_ptr[s + 1] - query_ptr[s]) if s >= 0 else None)
+
+    def chunk(total: int, split: int) -> int:  # the kernel's j0:j1 of a split tile
+        work = groups * total
+        return (split + 1) * work // splits - split * work // splits
+
+    extra = [FIXED + chunk(entries[t][1], split)
+             for t in split_tile.tolist()[:facts[1]] for _ in range(shape.heads_k)
+             for split in range(1, splits)]
+    first = []
+    for entry in entries:
+        if entry is not None:
+            own, total = entry
+            split_here = total > own and splits > 1
+            first += [FIXED + (chunk(total, 0) if split_here else groups * total)] * shape.heads_k
+    sums = (2 * splits * 4 + 2 * 2) * facts[0] * shape.heads_k * 64 if splits > 1 else 0
+    return extra + first, splits, sums / COPY_BYTES_PER_MS
+
+
+@dataclass
+class Occupancy:
+    forward: int
+    dkdv: int
+    prefix_forward: int
+    prefix_dkdv: int
+
+    @classmethod
+    def read(cls) -> Occupancy:
+        return cls(*(programs_per_processor(name) for name in (
+            "varlen_attention_forward_bf16_d64", "varlen_attention_backward_bf16_d64",
+            "varlen_attention_prefix_forward_bf16_d64",
+            "varlen_attention_prefix_backward_bf16_d64")))
+
+
+@dataclass
+class Iterations:
+    """Longest slot's iterations of each launch."""
+    forward: float
+    dkdv: float
+    sums_ms: float = 0.0
+
+
+def plain_iterations(shape: Shape, occupancy: Occupancy) -> Iterations:
+    forward, dkdv = plain_costs(shape)
+    return Iterations(makespan(forward, PROCESSORS * occupancy.forward),
+                      makespan(dkdv, PROCESSORS * occupancy.dkdv))
+
+
+def shared_iterations(shape: Shape, occupancy: Occupancy, splits: int | None
+                      ) -> tuple[Iterations, int]:
+    dkdv, splits, sums_ms = shared_dkdv(shape, splits)
+    return Iterations(makespan(shared_forward_costs(shape), PROCESSORS * occupancy.prefix_forward),
+                      makespan(dkdv, PROCESSORS * occupancy.prefix_dkdv), sums_ms), splits
+
+
+def calibrate(occupancy: Occupancy) -> tuple[float, float]:
+    """(ms per forward iteration, ms per dk/dv iteration) that reproduce ``MEASURED``."""
+    shape = Shape(*LONG_PROMPT)
+    plain = plain_iterations(shape, occupancy)
+    shared, _ = shared_iterations(shape, occupancy, 1)
+    a = torch.tensor([[plain.forward, plain.dkdv], [shared.forward, shared.dkdv]],
+                     dtype=torch.float64)
+    b = torch.tensor([MEASURED["plain"], MEASURED["shared, 1 split"]], dtype=torch.float64)
+    forward_ms, dkdv_ms = torch.linalg.solve(a, b).tolist()
+    return forward_ms, dkdv_ms
+
+
+def ms(iterations: Iterations, rates: tuple[float, float]) -> float:
+    return iterations.forward * rates[0] + iterations.dkdv * rates[1] + iterations.sums_ms
+
+
+def tflops(iteration_flops: float, slots: int, ms_per_iteration: float) -> float:
+    return iteration_flops * slots / (ms_per_iteration * 1e9)
+
+
+def sensitivity(occupancy: Occupancy, shape: Shape) -> list[tuple[float, Occupancy, float]]:
+    """(fixed iterations, occupancy, predicted shared ms at the launcher's split count), each
+    recalibrated: the fixed cost from 0 to 4, then one and two programs per processor in every
+    launch instead of the compile report's."""
+    global FIXED
+    held, rows = FIXED, []
+    variants = [(fixed, occupancy) for fixed in (0.0, 1.0, 2.0, 4.0)]
+    variants += [(held, Occupancy(n, n, n, n)) for n in (1, 2)]
+    try:
+        for FIXED, variant in variants:
+            rows.append((FIXED, variant, ms(shared_iterations(shape, variant, None)[0],
+                                            calibrate(variant))))
+    finally:
+        FIXED = held
+    return rows
+
+
+def report(occupancy: Occupancy) -> list[str]:
+    rates = calibrate(occupancy)
+    shape = Shape(*LONG_PROMPT)
+    plain = plain_iterations(shape, occupancy)
+    d = 64
+    forward_flops = 4 * FORWARD_TILE[0] * FORWARD_TILE[1] * d
+    dkdv_flops = 10 * DKDV_TILE[0] * DKDV_TILE[1] * d  # 5 products: S, dP, dV, dK, dQ
+    lines = [
+        "## Calibration", "",
+        f"Programs per processor (compile report, triton 3.6.0, bf16 D 64): forward "
+        f"{occupancy.forward}, dk/dv with the atomic dq {occupancy.dkdv}, prefix forward "
+        f"{occupancy.prefix_forward}, prefix dk/dv {occupancy.prefix_dkdv}; {PROCESSORS} "
+        f"processors; {FIXED:g} fixed iteration per program.", "",
+        "| launch | longest slot (iterations) |", "| --- | --- |",
+        f"| plain forward | {plain.forward:.0f} |", f"| plain dk/dv | {plain.dkdv:.0f} |"]
+    one, _ = shared_iterations(shape, occupancy, 1)
+    lines += [f"| shared forward | {one.forward:.0f} |",
+              f"| shared dk/dv, 1 split | {one.dkdv:.0f} |", "",
+              f"Solved from the H200's {MEASURED['plain']} ms (plain) and "
+              f"{MEASURED['shared, 1 split']} ms (shared, one split): {rates[0] * 1e3:.2f} us per "
+              f"forward iteration (128 x 128 x D 64: {tflops(forward_flops, PROCESSORS * occupancy.forward, rates[0]):.0f} "
+              f"TFLOP/s over the device), {rates[1] * 1e3:.2f} us per dk/dv iteration (64 x 64: "
+              f"{tflops(dkdv_flops, PROCESSORS * occupancy.dkdv, rates[1]):.0f} TFLOP/s). "
+              f"Plain: forward {plain.forward * rates[0]:.3f} ms, backward "
+              f"{plain.dkdv * rates[1]:.3f} ms.", ""]
+    lines += ["## The long prompt at each dk/dv split count (predicted)", "",
+              f"{shape.name}, bf16 D 64; ideal {shape.ideal():.2f}x.", "",
+              "| dk/dv splits | shared forward it. | shared dk/dv it. | split sums ms | "
+              "shared ms | speed-up | % of ideal |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    own = shared_iterations(shape, occupancy, None)[1]
+    plain_ms = ms(plain, rates)
+    for splits in range(1, 9):
+        shared, _ = shared_iterations(shape, occupancy, splits)
+        speedup = plain_ms / ms(shared, rates)
+        mark = " (the launcher's)" if splits == own else ""
+        lines.append(f"| {splits}{mark} | {shared.forward:.0f} | {shared.dkdv:.0f} | "
+                     f"{shared.sums_ms:.4f} | {ms(shared, rates):.3f} | {speedup:.2f}x | "
+                     f"{speedup / shape.ideal():.0%} |")
+    lines += ["", "## Other shapes at the launcher's split count (predicted, bf16 D 64)", "",
+              "| shape | ideal | splits | plain ms | shared ms | speed-up | % of ideal | "
+              "best split count: % of ideal |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for other in (Shape(*s) for s in OTHER_SHAPES):
+        plain_other = ms(plain_iterations(other, occupancy), rates)
+        shared, splits = shared_iterations(other, occupancy, None)
+        best = max((plain_other / ms(shared_iterations(other, occupancy, n)[0], rates), n)
+                   for n in range(1, 9))
+        speedup = plain_other / ms(shared, rates)
+        lines.append(f"| {other.name} | {other.ideal():.2f}x | {splits} | {plain_other:.3f} | "
+                     f"{ms(shared, rates):.3f} | {speedup:.2f}x | {speedup / other.ideal():.0%} | "
+                     f"{best[1]}: {best[0] / other.ideal():.0%} |")
+    lines += ["", "## How much the prediction leans on the fixed cost and the occupancy", "",
+              "The long prompt at the launcher's split count, recalibrated with each fixed "
+              "cost per program (iterations) and programs per processor (forward, dk/dv, "
+              "prefix forward, prefix dk/dv):", "",
+              "| fixed | programs per processor | shared ms | % of ideal |",
+              "| --- | --- | --- | --- |"]
+    for fixed, variant, shared_ms in sensitivity(occupancy, shape):
+        lines.append(f"| {fixed:g} | {variant.forward}, {variant.dkdv}, "
+                     f"{variant.prefix_forward}, {variant.prefix_dkdv} | {shared_ms:.3f} | "
+                     f"{MEASURED['plain'] / shared_ms / shape.ideal():.0%} |")
+    forward, dkdv = plain_costs(shape)
+    slots = PROCESSORS * occupancy.dkdv
+    lines += ["", "## The plain dk/dv launch's order", "",
+              f"The plain backward deals its tiles by sequence length, each sequence's tiles in "
+              f"block order (`tile_table(..., by_length=True)`). On the long prompt's 8 "
+              f"sequences x 2 KV heads ({len(dkdv)} programs on {slots} slots) that leaves the "
+              f"last sequences' longest tiles to start late: {makespan(dkdv, slots):.0f} "
+              f"iterations against {makespan(sorted(dkdv, reverse=True), slots):.0f} longest "
+              f"first and {sum(dkdv) / slots:.0f} on average per slot."]
+    return lines
+
+
+def header(occupancy: Occupancy) -> list[str]:
+    """Title, summary (the long prompt's prediction), command, date and commit."""
+    rates = calibrate(occupancy)
+    shape = Shape(*LONG_PROMPT)
+    plain_ms = ms(plain_iterations(shape, occupancy), rates)
+    shared, splits = shared_iterations(shape, occupancy, None)
+    speedup = plain_ms / ms(shared, rates)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                            capture_output=True).stdout.strip()
+    return [
+        "# A scheduling model of the Triton attention kernels on the H200: the prefix-shared "
+        "op's dk/dv splits", "",
+        f"Summary: a model, not a measurement. Calibrated on the H200's two timings of the "
+        f"long prompt (plain {MEASURED['plain']} ms, one-split shared "
+        f"{MEASURED['shared, 1 split']} ms, bf16 D 64), it predicts the prefix kernels with "
+        f"the launcher's {splits} dk/dv splits at {ms(shared, rates):.3f} ms, {speedup:.2f}x the plain packing of an ideal "
+        f"{shape.ideal():.2f}x ({speedup / shape.ideal():.0%}).", "",
+        "Command: `python bench/attention_schedule_model.py --record "
+        "bench/results/attention_schedule_model.md`", "",
+        f"Date {datetime.date.today()}, commit {commit}. No GPU: the launcher's tile tables "
+        f"on the CPU, the H200's numbers from `gpu_2026-12-04/`.", ""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--record", type=Path, help="write the report here (markdown)")
+    args = parser.parse_args()
+    occupancy = Occupancy.read()
+    text = "\n".join(report(occupancy)) + "\n"
+    print(text)
+    if args.record:
+        args.record.write_text("\n".join(header(occupancy)) + "\n" + text)
+
+
+if __name__ == "__main__":
+    main()
