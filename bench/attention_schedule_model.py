@@ -60,6 +60,13 @@ OTHER_SHAPES = [(2, 2048, 8, 256, 8, 2), (4, 2048, 8, 256, 8, 2), (1, 2048, 4, 5
                 (8, 1024, 4, 256, 8, 2)]
 
 
+# Batches whose plain dk/dv launch order the report compares (lengths, query heads, KV heads,
+# programs per processor: 2 as at D 64, 1 as at D 128).
+ORDER_BATCHES = [([2304] * 8, 8, 2, 2), ([1000] * 16, 16, 4, 2), ([2048] * 8, 32, 8, 2),
+                 ([2048] * 8, 32, 8, 1), ([2048] * 8, 28, 4, 1), ([4096] * 4, 32, 8, 1),
+                 ([16384], 32, 8, 1)]
+
+
 def programs_per_processor(kernel: str) -> int:
     """How many programs of ``kernel`` (a configuration of the compile report) one processor
     holds: registers (allocated per warp in units of 256), shared memory and warps."""
@@ -124,19 +131,25 @@ class Shape:
 def plain_costs(shape: Shape) -> tuple[list[float], list[float]]:
     """Per-program iterations of the plain forward and dk/dv launches, in launch order."""
     cu = shape.plain_cu()
-    tokens, groups = int(cu[-1]), shape.heads_q // shape.heads_k
-    (block_m, block_n), (block, step) = FORWARD_TILE, DKDV_TILE
-    bounds, sequence, tile_block, _ = launcher.tile_table(cu, tokens, block_m, True)
+    block_m, block_n = FORWARD_TILE
+    bounds, sequence, tile_block, _ = launcher.tile_table(cu, int(cu[-1]), block_m, True)
     lengths = (bounds[1:] - bounds[:-1]).tolist()
     forward = [FIXED + math.ceil(min(lengths[s], (b + 1) * block_m) / block_n)
                for s, b in zip(sequence.tolist(), tile_block.tolist()) if s >= 0
                for _ in range(shape.heads_q)]
-    bounds, sequence, tile_block, _ = launcher.tile_table(cu, tokens, block, True, by_length=True)
+    return forward, plain_dkdv_costs(cu, shape.heads_q, shape.heads_k)
+
+
+def plain_dkdv_costs(cu: torch.Tensor, heads_q: int, heads_k: int) -> list[float]:
+    """Per-program iterations of the plain dk/dv launch over ``cu`` (int32), in launch order."""
+    block, step = DKDV_TILE
+    groups = heads_q // heads_k
+    bounds, sequence, tile_block, _ = launcher.tile_table(cu, int(cu[-1]), block, True,
+                                                          by_length=True)
     lengths = (bounds[1:] - bounds[:-1]).tolist()
-    dkdv = [FIXED + groups * math.ceil((lengths[s] - b * block) / step)
+    return [FIXED + groups * math.ceil((lengths[s] - b * block) / step)
             for s, b in zip(sequence.tolist(), tile_block.tolist()) if s >= 0
-            for _ in range(shape.heads_k)]
-    return forward, dkdv
+            for _ in range(heads_k)]
 
 
 def shared_forward_costs(shape: Shape) -> list[float]:
@@ -353,7 +366,20 @@ def report(occupancy: Occupancy) -> list[str]:
               f" ms here instead of {plain_ms:.3f}: the shared packing's figures above lean on "
               f"this; the last column of the shapes' table gives them against it. Longest first "
               f"has not been measured: with many sequences it runs far more of them at once, "
-              f"whose queries then share the L2 cache less."]
+              f"whose queries then share the L2 cache less.", "",
+              "Plain dk/dv launches of other batches (64 x 64 tiles; 2 programs per "
+              "processor as at D 64, 1 as at D 128), longest slot in iterations: the order "
+              "matters where the grid is a few waves deep.", "",
+              "| sequences | heads (q / KV) | programs | slots | by length | longest first | "
+              "average |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for lengths, heads_q, heads_k, per_processor in ORDER_BATCHES:
+        costs = plain_dkdv_costs(torch.tensor([0, *lengths]).cumsum(0).to(torch.int32),
+                                 heads_q, heads_k)
+        slots = PROCESSORS * per_processor
+        lines.append(f"| {len(lengths)} x {lengths[0]} | {heads_q} / {heads_k} | {len(costs)} | "
+                     f"{slots} | {makespan(costs, slots):.0f} | "
+                     f"{makespan(sorted(costs, reverse=True), slots):.0f} | "
+                     f"{sum(costs) / slots:.0f} |")
     return lines
 
 
