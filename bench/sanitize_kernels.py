@@ -23,6 +23,7 @@ native attention kernel and the torch paths, or the Triton kernels under the int
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -35,6 +36,7 @@ import torch  # noqa: E402
 
 from agentrl_fast.ops import (gae, linear_token_logprobs, ppo_loss, token_logprobs,  # noqa: E402
                               value_loss, varlen_attention)
+from agentrl_fast.ops import varlen_attention_triton as triton_launcher  # noqa: E402
 
 IGNORE = -100
 
@@ -102,6 +104,38 @@ def run_varlen_attention(device: str, backend: str) -> None:
 def run_varlen_attention_odd_head_dim(device: str, backend: str) -> None:
     """The same at an odd head dim (D = 59, padded to 64 with masked columns), MQA 4:1."""
     _attention(device, backend, 4, 1, 59)
+
+
+@contextlib.contextmanager
+def _held_splits(splits: int | None):
+    """The Triton launcher's prefix dk/dv split count held at ``splits`` (None: its own)."""
+    chosen = triton_launcher.prefix_dkdv_splits
+    if splits is not None:
+        triton_launcher.prefix_dkdv_splits = lambda *_: splits
+    try:
+        yield
+    finally:
+        triton_launcher.prefix_dkdv_splits = chosen
+
+
+def run_varlen_attention_prefix(device: str, backend: str) -> None:
+    """The prefix-shared mode (``prefix_of``), bf16, GQA 4:2 at D = 64: a prefix over two
+    tiles on CUDA with suffixes of one and several blocks, length 1, empty and non-adjacent,
+    and a plain sequence that is a prefix too; both backwards; on CUDA each prefix tile's
+    dk/dv also split over 3 programs (their float32 sums and the kernel that adds them)."""
+    lengths = ([130, 70, 1, 0, 9, 33, 66] if device == "cuda" else [20, 7, 1, 0, 5, 9, 6])
+    prefix_of = torch.tensor([-1, 0, 0, 0, -1, 0, 4], dtype=torch.int32, device=device)
+    num_tokens, gen = sum(lengths), _generator(7)
+    q, k, v = (torch.randn(num_tokens, heads, 64, generator=gen)
+               .to(device, torch.bfloat16).requires_grad_() for heads in (4, 2, 2))
+    cu = _cu_seqlens(lengths, device)
+    for splits in ((None, 3) if device == "cuda" else (None,)):
+        for deterministic in (True, False):
+            with _held_splits(splits):
+                out = varlen_attention(q, k, v, cu, max(lengths), prefix_of=prefix_of,
+                                       deterministic=deterministic, backend=backend)
+                grads = _backward([out], [q, k, v])
+            _finite(out, *grads)
 
 
 def _labels(num_rows: int, vocab: int, device: str) -> torch.Tensor:
@@ -193,6 +227,7 @@ KERNELS = {
     "linear_token_logprobs": run_linear_token_logprobs,
     "ppo_loss": run_ppo_loss,
     "value_loss": run_value_loss,
+    "varlen_attention_prefix": run_varlen_attention_prefix,  # last: a timeout loses it alone
 }
 CUDA_CPP = {"gae"}  # csrc/gae.cu; every other entry runs Triton kernels
 

@@ -8,7 +8,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "sanitize_kernels.py"
 # One name per CUDA/Triton kernel (forward and backward): what the sanitizer stages iterate over.
 KERNELS = ["gae", "varlen_attention", "varlen_attention_odd_head_dim", "token_logprobs",
-           "linear_token_logprobs", "ppo_loss", "value_loss"]
+           "linear_token_logprobs", "ppo_loss", "value_loss", "varlen_attention_prefix"]
 
 
 def load_script():
