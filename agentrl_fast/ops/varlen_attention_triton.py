@@ -524,7 +524,7 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
             BLOCK=config["BLOCK"], STEP=config["STEP"], ATOMIC_DQ=dq_acc is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"], **common)
         if splits > 1:
-            _add_splits(part, part_tokens, scale, head_dim, dk_t, dv_t)
+            _add_splits(part, part_tokens, scale, dk_t, dv_t)
         if dq_acc is not None:
             dq_t.copy_(dq_acc.mul_(scale))
         else:
@@ -543,13 +543,13 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
             grad.copy_(target)
 
 
-def _add_splits(part: torch.Tensor, part_tokens: torch.Tensor, scale: float, head_dim: int,
-                dk: torch.Tensor, dv: torch.Tensor) -> None:
+def _add_splits(part: torch.Tensor, part_tokens: torch.Tensor, scale: float, dk: torch.Tensor,
+                dv: torch.Tensor) -> None:
     """The prefixes' rows of ``dk``, ``dv`` ([T, Hk, D], unit stride along D): the splits'
     float32 sums (``part[2, splits, R, Hk, D]``) added in split order (the same bits every
     run), dk scaled, written at ``part_tokens[R]`` (R > 0: a split needs a prefix tile); one
     launch."""
-    _, splits, rows, num_heads_k, _ = part.shape
+    _, splits, rows, num_heads_k, head_dim = part.shape
     padded = kernels.padded_head_dim(head_dim)
     block_r = prefix_kernels.add_splits_rows(padded)
     prefix_kernels.varlen_attention_prefix_add_splits_kernel[(triton.cdiv(rows, block_r),

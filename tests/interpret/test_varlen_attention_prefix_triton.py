@@ -128,7 +128,7 @@ def test_add_splits_sums_in_split_order_into_the_prefix_rows(dtype, head_dim, sp
     part_tokens = torch.randperm(num_tokens, generator=gen)[:rows]
     grads = [torch.full((num_tokens, num_heads_k, head_dim), float("nan"), dtype=dtype)
              for _ in range(2)]
-    triton_launcher._add_splits(part, part_tokens, scale, head_dim, *grads)
+    triton_launcher._add_splits(part, part_tokens, scale, *grads)
     sums = part[:, 0].clone()
     for split in range(1, splits):
         sums = sums + part[:, split]
