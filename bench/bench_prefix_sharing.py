@@ -287,18 +287,14 @@ SPLIT_SWEEP = (1, 2, 4, 8)
 
 def split_backend(splits: int, name: str = "triton") -> str:
     """``triton+{splits}split``: the Triton prefix kernels with each prefix key tile's dk/dv
-    over ``splits`` programs (``prefix_dkdv_splits`` held there during its backward)."""
+    over ``splits`` programs (``dkdv_splits_held`` during its backward)."""
     variant = f"{name}+{splits}split"
     if variant not in BACKENDS:
         backward = BACKENDS[name].prefix_backward
 
         def held(*args) -> None:
-            chosen = triton_launcher.prefix_dkdv_splits
-            triton_launcher.prefix_dkdv_splits = lambda *_: splits
-            try:
+            with triton_launcher.dkdv_splits_held(splits):
                 backward(*args)
-            finally:
-                triton_launcher.prefix_dkdv_splits = chosen
 
         register_backend(dataclasses.replace(BACKENDS[name], name=variant,
                                              prefix_backward=held))

@@ -106,18 +106,6 @@ def run_varlen_attention_odd_head_dim(device: str, backend: str) -> None:
     _attention(device, backend, 4, 1, 59)
 
 
-@contextlib.contextmanager
-def _held_splits(splits: int | None):
-    """The Triton launcher's prefix dk/dv split count held at ``splits`` (None: its own)."""
-    chosen = triton_launcher.prefix_dkdv_splits
-    if splits is not None:
-        triton_launcher.prefix_dkdv_splits = lambda *_: splits
-    try:
-        yield
-    finally:
-        triton_launcher.prefix_dkdv_splits = chosen
-
-
 def run_varlen_attention_prefix(device: str, backend: str) -> None:
     """The prefix-shared mode (``prefix_of``), bf16, GQA 4:2 at D = 64: a prefix over two
     tiles on CUDA with suffixes of one and several blocks, length 1, empty and non-adjacent,
@@ -129,13 +117,14 @@ def run_varlen_attention_prefix(device: str, backend: str) -> None:
     q, k, v = (torch.randn(num_tokens, heads, 64, generator=gen)
                .to(device, torch.bfloat16).requires_grad_() for heads in (4, 2, 2))
     cu = _cu_seqlens(lengths, device)
-    for splits in ((None, 3) if device == "cuda" else (None,)):
-        for deterministic in (True, False):
-            with _held_splits(splits):
+    held = ((contextlib.nullcontext(), triton_launcher.dkdv_splits_held(3))
+            if device == "cuda" else (contextlib.nullcontext(),))
+    for splits in held:
+        with splits:
+            for deterministic in (True, False):
                 out = varlen_attention(q, k, v, cu, max(lengths), prefix_of=prefix_of,
                                        deterministic=deterministic, backend=backend)
-                grads = _backward([out], [q, k, v])
-            _finite(out, *grads)
+                _finite(out, *_backward([out], [q, k, v]))
 
 
 def _labels(num_rows: int, vocab: int, device: str) -> torch.Tensor:

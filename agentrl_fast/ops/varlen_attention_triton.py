@@ -54,6 +54,7 @@ With ``TRITON_INTERPRET=1`` set when this module is imported, the kernels run on
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -406,10 +407,28 @@ MAX_SPLITS = 8
 MIN_SPLIT_ENTRIES = 4
 
 
+_HELD_SPLITS: list[int] = []  # dkdv_splits_held's counts, innermost last
+
+
+@contextlib.contextmanager
+def dkdv_splits_held(splits: int):
+    """Within it every prefix dk/dv launch splits each prefix tile over ``splits`` programs,
+    whatever ``prefix_dkdv_splits`` would pick: for benchmarks and the sanitizer, which time
+    and check counts the launcher does not choose on their shapes."""
+    _HELD_SPLITS.append(splits)
+    try:
+        yield
+    finally:
+        _HELD_SPLITS.pop()
+
+
 def prefix_dkdv_splits(facts: tuple, num_heads_k: int, groups: int, device: torch.device) -> int:
     """How many programs share each prefix tile's dk/dv on ``device`` (1: no split, no float32
     sums): ``split_count`` with its processor count (8 off CUDA: the interpreter's splits
-    still run). The split count (so the dk/dv bits) depends on the device's processor count."""
+    still run), or the count ``dkdv_splits_held`` holds. The split count (so the dk/dv bits)
+    depends on the device's processor count."""
+    if _HELD_SPLITS:
+        return _HELD_SPLITS[-1]
     processors = (torch.cuda.get_device_properties(device).multi_processor_count
                   if device.type == "cuda" else 8)
     return split_count(facts, num_heads_k, groups, processors)

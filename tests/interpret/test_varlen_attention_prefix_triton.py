@@ -142,6 +142,19 @@ def test_add_splits_sums_in_split_order_into_the_prefix_rows(dtype, head_dim, sp
         assert grad[untouched].isnan().all()
 
 
+def test_a_held_split_count_wins_nests_and_is_released():
+    """``dkdv_splits_held`` (the benchmarks' and the sanitizer's): its count over the rule's,
+    the innermost of nested ones, the rule's again after."""
+    cpu, facts = torch.device("cpu"), (2048, 16, 64)
+    assert triton_launcher.prefix_dkdv_splits(facts, 2, 4, cpu) == 1
+    with triton_launcher.dkdv_splits_held(3):
+        assert triton_launcher.prefix_dkdv_splits(facts, 2, 4, cpu) == 3
+        with triton_launcher.dkdv_splits_held(8):
+            assert triton_launcher.prefix_dkdv_splits(facts, 2, 4, cpu) == 8
+        assert triton_launcher.prefix_dkdv_splits(facts, 2, 4, cpu) == 3
+    assert triton_launcher.prefix_dkdv_splits(facts, 2, 4, cpu) == 1
+
+
 def test_dkdv_table_packs_the_prefixes_rows():
     """The split sums' rows: each prefix's rows one after another, where its tokens are."""
     lengths, parents = [4, 5, 3, 0, 7, 2, 1], [-1, 0, -1, 0, 2, 0, -1]
