@@ -110,10 +110,10 @@ def test_the_engine_releases_rollout_servers_however_rollouts_end(toy_env, chat)
 # ---------------------------------------------------------------------------------------------
 # Acceptance: two PPO steps with MCP servers from a YAML config.
 
-def write_mcp_run(folder: Path, template: Path) -> Path:
+def write_mcp_run(folder: Path, template: Path, steps: int = 2) -> Path:
     """A run's YAML config (beside its tasks, reward and demonstrations) of the dataset tool
     environment with ``mcp-server-git`` per rollout on a copy of ``template`` and a shared
-    ``server-memory``: two PPO steps of 2 tasks x 2 samples."""
+    ``server-memory``: ``steps`` PPO steps of 2 tasks x 2 samples."""
     memory = memory_server()
     prompts = [(f"Find the first commit's message (repository '.'), then say it. #{i}",
                 "the first commit") for i in range(6)]
@@ -144,7 +144,7 @@ def write_mcp_run(folder: Path, template: Path) -> Path:
         "model": {"vocab_size": 512},
         "warmstart": {"data": "demos.jsonl", "steps": 30, "lr": 1.0e-2, "batch_sequences": 4,
                       "target_success": None},
-        "train": {"steps": 2, "tasks_per_step": 2, "rollout": {
+        "train": {"steps": steps, "tasks_per_step": 2, "rollout": {
             "samples_per_task": 2, "context_budget": 1024, "max_turns": 2,
             "sampling": {"max_new_tokens": 48}}},
         "eval": {"tasks": 2}}
@@ -168,8 +168,9 @@ def test_a_config_with_mcp_servers_trains_two_ppo_steps(tmp_path, template):  # 
 
 def test_no_server_outlives_a_sigkilled_trainer(tmp_path, template):  # noqa: F811
     """``agentrl-fast train`` SIGKILLed while its rollouts' git servers run: the shared
-    server and the rollout servers die with it (parent-death signal)."""
-    config = write_mcp_run(tmp_path, template)
+    server and the rollout servers die with it (parent-death signal). The run is long (killed
+    once the servers are seen): two steps could end between two looks at the processes."""
+    config = write_mcp_run(tmp_path, template, steps=1000)
     trainer = subprocess.Popen([sys.executable, "-c", "from agentrl_fast.cli import main; main()",
                                 "train", "--config", str(config)], cwd=tmp_path,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
