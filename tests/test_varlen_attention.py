@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from agentrl_fast.ops import varlen_attention
 from agentrl_fast.ops.reference import varlen_attention_reference
-from agentrl_fast.ops.varlen_attention import BACKENDS, available_backends, resolve_backend
+from agentrl_fast.ops.varlen_attention import (BACKENDS, CPU_FLASH_FROM_KEYS, available_backends,
+                                               mean_keys, resolve_backend)
 from agentrl_fast.ops.varlen_attention_triton import GPU_CHECKED_BACKWARD_HEAD_DIM
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -640,6 +641,53 @@ def test_auto_resolves_to_native_on_cpu(monkeypatch):
     q, k, v, cu, max_seqlen = make_inputs([4, 9], 2, 1, 16, torch.float32, seed=17, requires_grad=False)
     assert torch.equal(varlen_attention(q, k, v, cu, max_seqlen),
                        varlen_attention(q, k, v, cu, max_seqlen, backend="native"))
+
+
+def _mean_keys_by_rows(lengths: list[int], prefix_of: list[int] | None, causal: bool) -> float:
+    """``mean_keys`` counted row by row."""
+    pairs = squares = 0
+    for index, length in enumerate(lengths):
+        parent = prefix_of[index] if prefix_of else -1
+        before = lengths[parent] if parent >= 0 else 0
+        for row in range(1, length + 1):
+            keys = before + row if causal else length
+            pairs, squares = pairs + keys, squares + keys * keys
+    return squares / max(pairs, 1)
+
+
+@pytest.mark.parametrize("lengths,prefix_of,causal", [
+    ([512, 512], None, True), ([7, 0, 1, 300], None, False), ([9, 0, 1, 300, 2], None, True),
+    ([40, 3, 0, 17, 5, 11], [-1, 0, 0, -1, 3, 0], True), ([], None, True)])
+def test_mean_keys_counts_the_keys_each_query_sees(lengths, prefix_of, causal):
+    cu = cu_seqlens_of(lengths) if lengths else torch.zeros(1, dtype=torch.int32)
+    parents = None if prefix_of is None else torch.tensor(prefix_of, dtype=torch.int32)
+    assert mean_keys(cu, sum(lengths), parents, causal) == pytest.approx(
+        _mean_keys_by_rows(lengths, prefix_of, causal), rel=1e-12)
+
+
+def test_auto_takes_cpu_flash_where_queries_see_many_keys(monkeypatch):
+    """On the CPU ``auto`` runs cpu_flash where a query sees ``CPU_FLASH_FROM_KEYS`` keys or
+    more on average (two causal sequences of 1024: 683), from head dim 32: the same bits as
+    asking for it; native on shorter sequences, at head dim 16, and for unvalidated garbage
+    without an error."""
+    from agentrl_fast.ops.varlen_attention import _NATIVE_VECTORISED
+    if not _NATIVE_VECTORISED:
+        pytest.skip("this CPU runs the native kernel's baseline build (auto: cpu_flash anyway)")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    q, k, v, cu, max_seqlen = make_inputs([1024, 1024], 2, 1, 32, torch.float32, seed=5,
+                                          requires_grad=False)
+    assert 2 * 1024 / 3 >= CPU_FLASH_FROM_KEYS
+    assert resolve_backend("auto", cpu, q, k, cu) == "cpu_flash"
+    assert resolve_backend("auto", cpu, q, k, cu, causal=False) == "cpu_flash"
+    assert resolve_backend("auto", cpu, q[..., :16], k[..., :16], cu) == "native"
+    assert resolve_backend("auto", cpu, q, k) == "native"  # no layout: the default order
+    short = cu_seqlens_of([512] * 4)
+    assert resolve_backend("auto", cpu, q, k, short) == "native"
+    assert torch.equal(varlen_attention(q, k, v, cu, max_seqlen),
+                       varlen_attention(q, k, v, cu, max_seqlen, backend="cpu_flash"))
+    garbage = torch.tensor([5, -3, 99999, 2], dtype=torch.int32)
+    assert resolve_backend("auto", cpu, q, k, garbage, torch.tensor([7, -9, 1])) in BACKENDS
 
 
 def test_native_baseline_build_matches_float64():

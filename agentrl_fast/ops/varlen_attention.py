@@ -58,6 +58,11 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # "auto" takes the first available, per device type.
 AUTO_ORDER = {"cuda": ("triton", "flash_attn", "torch", "reference"),
               "cpu": ("native", "cpu_flash", "reference")}
+# ... but on the CPU torch's flash kernel (key blocks kept in cache, queries split over threads)
+# overtakes native's rows where a query sees this many keys on average, weighted by the work
+# (``mean_keys``), at head dims from CPU_FLASH_MIN_HEAD_DIM: bench/results/cpu_attention_auto.md.
+CPU_FLASH_FROM_KEYS = 640
+CPU_FLASH_MIN_HEAD_DIM = 32
 
 
 def _triton_backend() -> Backend:
@@ -84,10 +89,46 @@ def available_backends(device: torch.device | str) -> list[str]:
     return [name for name, b in BACKENDS.items() if b.unavailable(device) is None]
 
 
+def _long_for_native(q: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                     prefix_of: torch.Tensor | None, causal: bool) -> bool:
+    """Whether this CPU batch's queries see so many keys that cpu_flash runs it faster than
+    native (never while torch.compile traces: the layout's values are not known then)."""
+    if (q is None or cu_seqlens is None or q.shape[-1] < CPU_FLASH_MIN_HEAD_DIM
+            or cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling()):
+        return False
+    return mean_keys(cu_seqlens, q.shape[0], prefix_of, causal) >= CPU_FLASH_FROM_KEYS
+
+
+def mean_keys(cu_seqlens: torch.Tensor, num_tokens: int, prefix_of: torch.Tensor | None = None,
+              causal: bool = True) -> float:
+    """The keys a query sees, averaged over the (query, key) pairs (``sum k^2 / sum k`` over
+    query rows that see ``k`` keys): ``2L/3`` for one causal sequence of ``L``, ``L``
+    non-causal; a suffix's rows see its prefix too. Host-side (a CPU ``cu_seqlens``), read
+    sanitized: garbage gives some number, never an error."""
+    bounds = torch.cummax(cu_seqlens.detach().to("cpu", torch.float64).reshape(-1)
+                          .clamp(0, num_tokens), dim=0).values
+    lengths = bounds[1:] - bounds[:-1]
+    if not causal:
+        return float((lengths ** 3).sum() / (lengths ** 2).sum().clamp(min=1))
+    before = torch.zeros_like(lengths)  # keys ahead of a sequence's own: its prefix's
+    if prefix_of is not None and lengths.numel():
+        parent = prefix_of.detach().to("cpu", torch.int64).reshape(-1)[:lengths.numel()]
+        valid = (parent >= 0) & (parent < lengths.numel())
+        before[:parent.numel()] = torch.where(valid, lengths[parent.clamp(0, lengths.numel() - 1)],
+                                              0.0)
+    # rows i = 1..L see before + i keys
+    first = lengths * before + lengths * (lengths + 1) / 2
+    second = (lengths * before ** 2 + before * lengths * (lengths + 1)
+              + lengths * (lengths + 1) * (2 * lengths + 1) / 6)
+    return float(second.sum() / first.sum().clamp(min=1))
+
+
 def resolve_backend(backend: str, device: torch.device, q: torch.Tensor | None = None,
-                    k: torch.Tensor | None = None) -> str:
+                    k: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                    prefix_of: torch.Tensor | None = None, causal: bool = True) -> str:
     """The backend ``varlen_attention`` would use for ``backend`` on ``device`` (and, when
-    given, for inputs like ``q`` and ``k``)."""
+    given, for inputs like ``q`` and ``k``; on the CPU ``auto`` also reads the batch's layout,
+    ``cu_seqlens`` and ``prefix_of``, for its sequences' lengths: ``mean_keys``)."""
 
     def why_not(name: str) -> str | None:
         chosen = BACKENDS[name]
@@ -98,7 +139,8 @@ def resolve_backend(backend: str, device: torch.device, q: torch.Tensor | None =
 
     if backend == "auto":
         order = AUTO_ORDER.get(device.type, ("reference",))
-        if device.type == "cpu" and not _NATIVE_VECTORISED:  # native's baseline build:
+        if device.type == "cpu" and (not _NATIVE_VECTORISED  # native's baseline build, or
+                                     or _long_for_native(q, cu_seqlens, prefix_of, causal)):
             order = ("cpu_flash", "native", "reference")  # slower than cpu_flash, not reference
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
             order = ("triton",) + tuple(order)  # how the tests run Triton kernels on the CPU
@@ -332,7 +374,7 @@ def varlen_attention(
              else require_real("softmax_scale", softmax_scale))
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite, got {scale}")
-    name = resolve_backend(backend, q.device, q, k)
+    name = resolve_backend(backend, q.device, q, k, cu_seqlens, prefix_of, causal)
     chosen = BACKENDS[name]
     if validate:
         cu_seqlens = validate_cu_seqlens(cu_seqlens, q.shape[0], max_seqlen)
