@@ -1,7 +1,7 @@
 """`auto`'s choice on the CPU between our native kernel and torch's flash kernel (`cpu_flash`):
 forward + backward of both on plain causal batches of one sequence length and on one prompt with
 8 suffixes, at head dims 32, 64 and 128, beside the batch's `mean_keys` and what `auto` picks
-(`CPU_FLASH_FROM_KEYS`, `CPU_FLASH_MIN_HEAD_DIM` in agentrl_fast/ops/varlen_attention.py).
+(`CPU_FLASH_*` in agentrl_fast/ops/varlen_attention.py).
 
     python bench/bench_cpu_attention_auto.py [--threads 2] [--tiny] [--record PATH.md]
 """
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from agentrl_fast.ops.varlen_attention import (CPU_FLASH_FROM_KEYS, mean_keys, resolve_backend,
-                                               varlen_attention)
+from agentrl_fast.ops.varlen_attention import (CPU_FLASH_FROM_KEYS, CPU_FLASH_WIDE_FROM_KEYS,
+                                               CPU_FLASH_WIDE_HEAD_DIM, mean_keys,
+                                               resolve_backend, varlen_attention)
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAD_DIMS = (32, 64, 128)
@@ -108,8 +109,9 @@ def main() -> None:
             f"Date {datetime.date.today()}, commit {commit}. Machine: {platform.machine()}, "
             f"{args.threads} threads, torch {torch.__version__}; float32, {HEADS[0]} query / "
             f"{HEADS[1]} KV heads, causal, forward + backward, best of {args.repeats} after a "
-            f"warm-up; plain batches of {TOKENS} tokens; `CPU_FLASH_FROM_KEYS` "
-            f"{CPU_FLASH_FROM_KEYS}. Run time {time.time() - start:.0f} s.", ""]
+            f"warm-up; plain batches of {TOKENS} tokens; auto's threshold "
+            f"{CPU_FLASH_FROM_KEYS} mean keys, {CPU_FLASH_WIDE_FROM_KEYS} from head dim "
+            f"{CPU_FLASH_WIDE_HEAD_DIM}. Run time {time.time() - start:.0f} s.", ""]
         args.record.write_text("\n".join(header + table) + "\n")
 
 

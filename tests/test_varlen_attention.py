@@ -667,9 +667,9 @@ def test_mean_keys_counts_the_keys_each_query_sees(lengths, prefix_of, causal):
 
 def test_auto_takes_cpu_flash_where_queries_see_many_keys(monkeypatch):
     """On the CPU ``auto`` runs cpu_flash where a query sees ``CPU_FLASH_FROM_KEYS`` keys or
-    more on average (two causal sequences of 1024: 683), from head dim 32: the same bits as
-    asking for it; native on shorter sequences, at head dim 16, and for unvalidated garbage
-    without an error."""
+    more on average (two causal sequences of 1024: 683), from head dim 32 (from 448 keys at
+    head dim 128): the same bits as asking for it; native on shorter sequences, at head dim
+    16, and for unvalidated garbage without an error."""
     from agentrl_fast.ops.varlen_attention import _NATIVE_VECTORISED
     if not _NATIVE_VECTORISED:
         pytest.skip("this CPU runs the native kernel's baseline build (auto: cpu_flash anyway)")
@@ -684,6 +684,9 @@ def test_auto_takes_cpu_flash_where_queries_see_many_keys(monkeypatch):
     assert resolve_backend("auto", cpu, q, k) == "native"  # no layout: the default order
     short = cu_seqlens_of([512] * 4)
     assert resolve_backend("auto", cpu, q, k, short) == "native"
+    mid, wide = cu_seqlens_of([768] * 4), torch.empty(3072, 2, 128)  # 512 keys on average
+    assert resolve_backend("auto", cpu, wide, wide[:, :1], mid) == "cpu_flash"  # sooner at 128
+    assert resolve_backend("auto", cpu, wide[..., :64], wide[:, :1, :64], mid) == "native"
     assert torch.equal(varlen_attention(q, k, v, cu, max_seqlen),
                        varlen_attention(q, k, v, cu, max_seqlen, backend="cpu_flash"))
     garbage = torch.tensor([5, -3, 99999, 2], dtype=torch.int32)

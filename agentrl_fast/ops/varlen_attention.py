@@ -60,9 +60,10 @@ AUTO_ORDER = {"cuda": ("triton", "flash_attn", "torch", "reference"),
               "cpu": ("native", "cpu_flash", "reference")}
 # ... but on the CPU torch's flash kernel (key blocks kept in cache, queries split over threads)
 # overtakes native's rows where a query sees this many keys on average, weighted by the work
-# (``mean_keys``), at head dims from CPU_FLASH_MIN_HEAD_DIM: bench/results/cpu_attention_auto.md.
-CPU_FLASH_FROM_KEYS = 640
+# (``mean_keys``): from head dim 32, sooner from 128 (bench/results/cpu_attention_auto.md).
 CPU_FLASH_MIN_HEAD_DIM = 32
+CPU_FLASH_FROM_KEYS = 640
+CPU_FLASH_WIDE_HEAD_DIM, CPU_FLASH_WIDE_FROM_KEYS = 128, 448
 
 
 def _triton_backend() -> Backend:
@@ -96,7 +97,9 @@ def _long_for_native(q: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
     if (q is None or cu_seqlens is None or q.shape[-1] < CPU_FLASH_MIN_HEAD_DIM
             or cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling()):
         return False
-    return mean_keys(cu_seqlens, q.shape[0], prefix_of, causal) >= CPU_FLASH_FROM_KEYS
+    wide = q.shape[-1] >= CPU_FLASH_WIDE_HEAD_DIM
+    threshold = CPU_FLASH_WIDE_FROM_KEYS if wide else CPU_FLASH_FROM_KEYS
+    return mean_keys(cu_seqlens, q.shape[0], prefix_of, causal) >= threshold
 
 
 def mean_keys(cu_seqlens: torch.Tensor, num_tokens: int, prefix_of: torch.Tensor | None = None,
