@@ -88,13 +88,23 @@ def rows(args) -> list[str]:
     return lines
 
 
-def main() -> None:
+def kept_summary(record: Path) -> str:
+    """The ``Summary:`` paragraph of an earlier ``record`` (written by hand), or a stub."""
+    if record.exists():
+        paragraphs = record.read_text().split("\n\n")
+        for paragraph in paragraphs:
+            if paragraph.startswith("Summary:"):
+                return paragraph
+    return "Summary: (to write by hand from the table)"
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="two small batches (the plumbing)")
     parser.add_argument("--record", type=Path, help="write the table here (markdown)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.time()
     table = rows(args)
@@ -103,7 +113,7 @@ def main() -> None:
                                 capture_output=True).stdout.strip()
         header = [
             "# `auto` on the CPU: native against cpu_flash by the keys a query sees", "",
-            "Summary: (written by hand after the run)", "",
+            kept_summary(args.record), "",
             f"Command: `python bench/bench_cpu_attention_auto.py --threads {args.threads} "
             f"--record {args.record}`", "",
             f"Date {datetime.date.today()}, commit {commit}. Machine: {platform.machine()}, "

@@ -21,8 +21,8 @@ In one run:
    its cross pass is the float32 reference one), ``cpu_flash`` (the generic path, torch's flash
    kernel as the cross pass). CUDA: ``triton`` (its own prefix kernels), ``triton+1split``
    (the same with each prefix tile's dk/dv in one program: what the split buys; on the long
-   prompts ``+2split``, ``+4split``, ``+8split`` too: where the launcher's count stands), ``torch`` and
-   ``flash_attn`` (the generic path over their raw varlen kernels). Inputs are random normal on
+   prompts ``+2split``, ``+4split``, ``+8split`` too: where the launcher's count stands),
+   ``torch`` and ``flash_attn`` (the generic path over their raw varlen kernels). Inputs are random normal on
    the shared rows; the unshared packing's are gathered from them (``rows``), so both compute
    the same function: their outputs are compared before anything is timed.
 
@@ -81,7 +81,6 @@ from dataclasses import dataclass
 import torch
 
 import common  # bench/ is the script's folder: first on sys.path
-from agentrl_fast.kernels.varlen_attention import backward_config
 from agentrl_fast.ops import varlen_attention_triton as triton_launcher
 from agentrl_fast.ops.varlen_attention import (BACKENDS, available_backends, register_backend,
                                                varlen_attention)
@@ -316,13 +315,11 @@ def op_backends(device: torch.device, reference_ok: bool) -> list[str]:
 def launcher_splits(layouts: Layouts, heads: tuple[int, int], dtype: torch.dtype,
                     head_dim: int, device: torch.device) -> int:
     """The dk/dv split count the Triton launcher picks for ``layouts``' shared packing."""
-    config = backward_config({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"),
-                             head_dim)
-    cu = torch.tensor(layouts.shared_cu, dtype=torch.int32, device=device)
-    prefix_of = torch.tensor(layouts.prefix_of, dtype=torch.int32, device=device)
-    facts = triton_launcher.prefix_dkdv_table(cu, prefix_of, layouts.shared_rows,
-                                              config["BLOCK"], config["STEP"])[-1]
-    return triton_launcher.prefix_dkdv_splits(facts, heads[1], heads[0] // heads[1], device)
+    q, k = (torch.empty(layouts.shared_rows, h, head_dim, dtype=dtype, device=device)
+            for h in heads)
+    return triton_launcher.chosen_dkdv_splits(
+        q, k, torch.tensor(layouts.shared_cu, dtype=torch.int32, device=device),
+        torch.tensor(layouts.prefix_of, dtype=torch.int32, device=device))
 
 
 def long_prompt_backends(backends: list[str]) -> list[str]:

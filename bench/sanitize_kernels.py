@@ -107,7 +107,7 @@ def run_varlen_attention_odd_head_dim(device: str, backend: str) -> None:
 
 
 def run_varlen_attention_prefix(device: str, backend: str) -> None:
-    """The prefix-shared mode (``prefix_of``), bf16, GQA 4:2 at D = 64: a prefix over two
+    """The prefix-shared mode (``prefix_of``), bf16, GQA 4:2 at D = 64: a prefix over several
     tiles on CUDA with suffixes of one and several blocks, length 1, empty and non-adjacent,
     and a plain sequence that is a prefix too; both backwards; on CUDA each prefix tile's
     dk/dv also split over 3 programs (their float32 sums and the kernel that adds them)."""

@@ -63,3 +63,14 @@ def test_the_benchmark_runs_end_to_end_on_tiny_sizes(tmp_path):
     assert "| 2x2 task | 1 |" in record and "| 4x1 shuffle | 1 |" in record
     assert "## The trainer's step" in record and record.count("| 2x2 task |") == 2
     assert "prompt 256 + 4 x 64" in record and "main job 2x2 task" in record
+
+
+def test_the_long_prompts_time_each_split_count_after_one_split():
+    """On CUDA's long prompts the split sweep follows ``triton+1split``; elsewhere (no Triton
+    variant, as on the CPU) the backends stay as they are; the launcher's count is an int."""
+    backends = ["triton", "triton+1split", "torch"]
+    assert bench.long_prompt_backends(backends) == [
+        "triton", "triton+1split", "triton+2split", "triton+4split", "triton+8split", "torch"]
+    assert bench.long_prompt_backends(["native", "cpu_flash"]) == ["native", "cpu_flash"]
+    layouts = bench.long_prompt_layouts(2048, 8, 256)
+    assert bench.launcher_splits(layouts, (8, 2), torch.bfloat16, 64, torch.device("cpu")) >= 1

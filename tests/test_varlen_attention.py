@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from agentrl_fast.ops import varlen_attention
 from agentrl_fast.ops.reference import varlen_attention_reference
-from agentrl_fast.ops.varlen_attention import (BACKENDS, CPU_FLASH_FROM_KEYS, available_backends,
-                                               mean_keys, resolve_backend)
+from agentrl_fast.ops.varlen_attention import (_NATIVE_VECTORISED, BACKENDS, CPU_FLASH_FROM_KEYS,
+                                               available_backends, mean_keys, resolve_backend)
 from agentrl_fast.ops.varlen_attention_triton import GPU_CHECKED_BACKWARD_HEAD_DIM
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -630,7 +630,6 @@ def test_native_row_pairs_give_the_bits_of_one_row_at_a_time():
 def test_auto_resolves_to_native_on_cpu(monkeypatch):
     """auto on the CPU is our kernel where its AVX2 + FMA build runs (cpu_flash otherwise:
     test_native_baseline_build_matches_float64)."""
-    from agentrl_fast.ops.varlen_attention import _NATIVE_VECTORISED
     if not _NATIVE_VECTORISED:
         pytest.skip("this CPU runs the native kernel's baseline build (no AVX2 + FMA)")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -670,7 +669,6 @@ def test_auto_takes_cpu_flash_where_queries_see_many_keys(monkeypatch):
     more on average (two causal sequences of 1024: 683), from head dim 32 (from 448 keys at
     head dim 128): the same bits as asking for it; native on shorter sequences, at head dim
     16, and for unvalidated garbage without an error."""
-    from agentrl_fast.ops.varlen_attention import _NATIVE_VECTORISED
     if not _NATIVE_VECTORISED:
         pytest.skip("this CPU runs the native kernel's baseline build (auto: cpu_flash anyway)")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -689,6 +687,9 @@ def test_auto_takes_cpu_flash_where_queries_see_many_keys(monkeypatch):
     assert resolve_backend("auto", cpu, wide[..., :64], wide[:, :1, :64], mid) == "native"
     assert torch.equal(varlen_attention(q, k, v, cu, max_seqlen),
                        varlen_attention(q, k, v, cu, max_seqlen, backend="cpu_flash"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert resolve_backend("auto", cpu, q, k, cu) == "native"  # a trace reads no layout
+    monkeypatch.undo()
     garbage = torch.tensor([5, -3, 99999, 2], dtype=torch.int32)
     assert resolve_backend("auto", cpu, q, k, garbage, torch.tensor([7, -9, 1])) in BACKENDS
 

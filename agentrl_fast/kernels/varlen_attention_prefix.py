@@ -137,14 +137,14 @@ def varlen_attention_prefix_backward_dkdv_kernel(
     With ``splits`` > 1 a prefix's tile (one with suffix blocks) splits its (head, block) list
     into ``splits`` contiguous chunks, one program each, which store their unscaled float32
     sums at ``PART_*[split, PART_ROW[sequence] + row]`` for the launcher to add; every other
-    tile runs whole and stores dk (scaled) and dv. Programs: first the ``extra`` ones, splits
-    1.. of the prefixes' tiles (``SPLIT_TILE``: their slots in the tile table), then split 0
-    of every tile in the table's order."""
+    tile runs whole and stores dk (scaled) and dv. Programs: first the ``extra`` ones, every
+    split of the prefixes' tiles (``SPLIT_TILE``: their slots in the tile table, longest
+    first), a tile's splits side by side so that its chunks start together; then every tile
+    of the table in its order, the prefixes' tiles returning at once when split."""
     pid = tl.program_id(0)
     if pid < extra:
-        others = tl.maximum(splits - 1, 1)
-        split = 1 + pid % others
-        work = pid // others
+        split = pid % splits
+        work = pid // splits
         kv_head = work % num_heads_k
         tile = tl.load(SPLIT_TILE + work // num_heads_k)
     else:
@@ -163,6 +163,8 @@ def varlen_attention_prefix_backward_dkdv_kernel(
     first = tl.load(QUERY_PTR + sequence)
     total = own + tl.load(QUERY_PTR + sequence + 1) - first
     shared = (total > own) & (splits > 1)
+    if shared & (pid >= extra):  # (its splits ran among the first programs)
+        return
     entries = groups * total
     j0 = tl.where(shared, split * entries // splits, 0)
     j1 = tl.where(shared, (split + 1) * entries // splits, entries)

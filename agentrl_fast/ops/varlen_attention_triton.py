@@ -415,6 +415,8 @@ def dkdv_splits_held(splits: int):
     """Within it every prefix dk/dv launch splits each prefix tile over ``splits`` programs,
     whatever ``prefix_dkdv_splits`` would pick: for benchmarks and the sanitizer, which time
     and check counts the launcher does not choose on their shapes."""
+    if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be a positive int, got {splits!r}")
     _HELD_SPLITS.append(splits)
     try:
         yield
@@ -444,6 +446,16 @@ def split_count(facts: tuple, num_heads_k: int, groups: int, processors: int) ->
         return 1
     wanted = -(-PROGRAMS_PER_PROCESSOR * processors // (prefix_tiles * num_heads_k))
     return max(1, min(wanted, MAX_SPLITS, suffix_blocks * groups // MIN_SPLIT_ENTRIES))
+
+
+def chosen_dkdv_splits(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor,
+                       prefix_of: torch.Tensor) -> int:
+    """The split count the prefix backward runs with for ``q [T, Hq, D]``, ``k [T, Hk, D]``
+    on this layout (the benchmarks print it)."""
+    config = kernels.backward_config(_DTYPE_NAMES[q.dtype], q.shape[2])
+    facts = cached_prefix_table(cu_seqlens, prefix_of, q.shape[0], config["BLOCK"],
+                                config["STEP"])[-1]
+    return prefix_dkdv_splits(facts, k.shape[1], q.shape[1] // k.shape[1], q.device)
 
 
 # The tables of a (prefix_of, cu_seqlens) pair: built once per pair of tensors, like _TABLES.
@@ -519,8 +531,8 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
     (bounds, tile_sequence, tile_block, slots, query_ptr, query_row, query_count, part_row,
      part_tokens, split_tile, facts) = cached_prefix_table(cu_seqlens, prefix_of, num_tokens,
                                                            config["BLOCK"], config["STEP"])
-    splits = prefix_dkdv_splits(facts, num_heads_k, groups, q.device)
-    extra = (splits - 1) * facts[1] * num_heads_k  # the prefixes' tiles' splits 1..
+    splits = chosen_dkdv_splits(q, k, cu_seqlens, prefix_of)
+    extra = splits * facts[1] * num_heads_k if splits > 1 else 0  # the prefix tiles' splits
     part = torch.empty(2, splits, facts[0] if splits > 1 else 0, num_heads_k, head_dim,
                        dtype=torch.float32, device=q.device)  # the splits' dk, dv sums
     common = dict(HEAD_DIM=padded, EVEN_D=padded == head_dim, IEEE=dtype == "fp32")

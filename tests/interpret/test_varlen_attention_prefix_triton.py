@@ -76,15 +76,18 @@ def test_odd_head_dim():
     run_case(LAYOUTS["non-adjacent"], torch.bfloat16, (2, 1), seed=9, head_dim=59)
 
 
-def test_deterministic_backward_is_bitwise_reproducible_and_agrees_with_the_atomic_one(
-        monkeypatch):
+def test_deterministic_backward_is_bitwise_reproducible_and_agrees_with_the_atomic_one():
     """The deterministic backward twice on poisoned gradients: the same bits, within the
     oracle's tolerance; the atomic backward's dk/dv are the same kernel's in the same order
     (bitwise equal), its dq (float32 atomics) agrees to rounding. GQA 4:2, several suffixes
     across blocks, each prefix tile's dk/dv split over 8 programs (more chunks than some
     tiles' lists: empty chunks too; the other tests run the launcher's own choice, 1 on the
     small layouts and 2-4 on ``BLOCKS``)."""
-    monkeypatch.setattr(triton_launcher, "prefix_dkdv_splits", lambda *args: 8)
+    with triton_launcher.dkdv_splits_held(8):
+        _splits_bitwise_and_atomic()
+
+
+def _splits_bitwise_and_atomic():
     layout = BLOCKS  # its 9-token prefix with 2 heads a group: 6 entries, so 2 empty chunks
     first, _ = run_case(layout, torch.bfloat16, (4, 2), seed=10, deterministic=True)
     q, k, v, cu, prefix_of, max_seqlen, dout = make_case(layout, 4, 2, torch.bfloat16, seed=10)
@@ -147,6 +150,10 @@ def test_a_held_split_count_wins_nests_and_is_released():
     the innermost of nested ones, the rule's again after."""
     cpu, facts = torch.device("cpu"), (2048, 16, 64)
     assert triton_launcher.prefix_dkdv_splits(facts, 2, 4, cpu) == 1
+    for wrong in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="splits must be a positive int"):
+            with triton_launcher.dkdv_splits_held(wrong):
+                pass
     with triton_launcher.dkdv_splits_held(3):
         assert triton_launcher.prefix_dkdv_splits(facts, 2, 4, cpu) == 3
         with triton_launcher.dkdv_splits_held(8):
