@@ -11,9 +11,10 @@ measurement: it calibrates two numbers on two timings.
 The model:
 
 - Programs: the launcher's grids (``agentrl_fast/ops/varlen_attention_triton.py``): one per
-  (tile, head) in the order of its tile table (longest work first), the dk/dv kernel's split
-  programs first. A program's cost is its loop's iterations (key blocks of the forward, (query
-  head, query block) entries of the dk/dv kernel) plus ``FIXED`` iterations (loads, stores).
+  (tile, head) in the order of its tile table (longest work first); the prefix dk/dv kernel
+  runs every split of the prefixes' tiles first, a tile's splits side by side. A program's
+  cost is its loop's iterations (key blocks of the forward, (query head, query block) entries
+  of the dk/dv kernel) plus a fixed number (``FIXED``: loads, stores).
 - Processors: ``PROCESSORS`` each holding as many programs at once as the kernel's registers,
   warps and shared memory allow (``bench/results/triton_compile.md``, triton 3.6.0: the
   H200's); a program starts on the first free slot, in launch order (greedy list scheduling).
@@ -444,7 +445,7 @@ def header(model: Model) -> list[str]:
         f"{shape.ideal():.2f}x ({speedup / shape.ideal():.0%}; {fair:.0%} against a plain "
         f"backward dealt longest first, which ours is not), {min(others):.0%}-{max(others):.0%} "
         f"over the other shapes below; a split count chosen per shape would add up to "
-        f"{gain * 100:.0f} points. Over the fixed cost and model it assumes it moves "
+        f"{gain * 100:.0f} points. Over the fixed cost and the occupancy it assumes it moves "
         f"{low * 100:+.0f} to {high * 100:+.0f} points. A GPU run of "
         f"`bench/bench_prefix_sharing.py` times the split counts it ranks.", "",
         "Command: `python bench/attention_schedule_model.py --record "
