@@ -38,13 +38,19 @@ def layout(kind: str, size: tuple[int, ...]) -> tuple[list[int], list[int] | Non
     return [prompt] + [suffix] * SUFFIXES, [-1] + [0] * SUFFIXES
 
 
+def layout_tensors(lengths: list[int], prefix_of: list[int] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(cu_seqlens [B+1] int32, prefix_of [B] int32 or None)."""
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    return cu, None if prefix_of is None else torch.tensor(prefix_of, dtype=torch.int32)
+
+
 def time_ms(backend: str, lengths: list[int], prefix_of: list[int] | None, head_dim: int,
             repeats: int) -> float:
     """Best of ``repeats`` forward + backward calls (after one warm-up)."""
     gen = torch.Generator().manual_seed(0)
     total = sum(lengths)
-    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-    parents = None if prefix_of is None else torch.tensor(prefix_of, dtype=torch.int32)
+    cu, parents = layout_tensors(lengths, prefix_of)
     leaves = [torch.randn(total, h, head_dim, generator=gen).requires_grad_()
               for h in (HEADS[0], HEADS[1], HEADS[1])]
     dout = torch.randn(total, HEADS[0], head_dim, generator=gen)
@@ -71,8 +77,7 @@ def rows(args) -> list[str]:
     for head_dim in HEAD_DIMS:
         for kind, size in cases:
             lengths, prefix_of = layout(kind, size)
-            cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-            parents = None if prefix_of is None else torch.tensor(prefix_of, dtype=torch.int32)
+            cu, parents = layout_tensors(lengths, prefix_of)
             q = torch.empty(sum(lengths), HEADS[0], head_dim)
             keys = mean_keys(cu, q.shape[0], parents)
             picked = resolve_backend("auto", q.device, q, q[:, :HEADS[1]], cu, parents)

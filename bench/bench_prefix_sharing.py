@@ -1070,12 +1070,12 @@ def run_long_prompts(report: Report, sizes: Sizes, backends: list[str], budget: 
                      failures: list[str]) -> None:
     args, device = report.args, report.device
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    layouts = long_prompt_layouts(*sizes.long_prompt)
     for head_dim in sizes.long_head_dims:
-        results = run_op(long_prompt_layouts(*sizes.long_prompt), sizes.long_heads, head_dim,
-                         dtype, long_prompt_backends(backends), device, args, budget, failures)
+        results = run_op(layouts, sizes.long_heads, head_dim, dtype,
+                         long_prompt_backends(backends), device, args, budget, failures)
         if device.type == "cuda" and "triton" in backends:
-            splits = launcher_splits(long_prompt_layouts(*sizes.long_prompt), sizes.long_heads,
-                                     dtype, head_dim, device)
+            splits = launcher_splits(layouts, sizes.long_heads, dtype, head_dim, device)
             print(f"  triton's own dk/dv split count here: {splits}", flush=True)
         report.ops += results
         report.add(op_rows(results, device))

@@ -374,8 +374,10 @@ def _spec(name: str, fn, signature: dict, constexprs: dict, config: dict,
     hints["equal_to_1"] = []  # no causal argument: the prefix mode is always causal
     spec = {"name": name, "fn": fn, "signature": signature, "constexprs": constexprs,
             "num_warps": config["num_warps"], "num_stages": config["num_stages"],
-            "hints": hints, "tuning": tuning, "allow_spills": not hot, "sample": sample}
-    return spec if tuning else {k: v for k, v in spec.items() if k != "tuning"}
+            "hints": hints, "allow_spills": not hot, "sample": sample}
+    if tuning:  # (the tuned launches' name; the split sums' kernel has none)
+        spec["tuning"] = tuning
+    return spec
 
 
 def _one_split(spec: dict) -> dict:

@@ -451,7 +451,7 @@ def split_count(facts: tuple, num_heads_k: int, groups: int, processors: int) ->
 def chosen_dkdv_splits(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor,
                        prefix_of: torch.Tensor) -> int:
     """The split count the prefix backward runs with for ``q [T, Hq, D]``, ``k [T, Hk, D]``
-    on this layout (the benchmarks print it)."""
+    on this layout, from the table it builds (the benchmarks print it)."""
     config = kernels.backward_config(_DTYPE_NAMES[q.dtype], q.shape[2])
     facts = cached_prefix_table(cu_seqlens, prefix_of, q.shape[0], config["BLOCK"],
                                 config["STEP"])[-1]
@@ -531,7 +531,7 @@ def _prefix_backward(dout, q, k, v, out, lse, cu_seqlens, prefix_of, max_seqlen,
     (bounds, tile_sequence, tile_block, slots, query_ptr, query_row, query_count, part_row,
      part_tokens, split_tile, facts) = cached_prefix_table(cu_seqlens, prefix_of, num_tokens,
                                                            config["BLOCK"], config["STEP"])
-    splits = chosen_dkdv_splits(q, k, cu_seqlens, prefix_of)
+    splits = prefix_dkdv_splits(facts, num_heads_k, groups, q.device)
     extra = splits * facts[1] * num_heads_k if splits > 1 else 0  # the prefix tiles' splits
     part = torch.empty(2, splits, facts[0] if splits > 1 else 0, num_heads_k, head_dim,
                        dtype=torch.float32, device=q.device)  # the splits' dk, dv sums
